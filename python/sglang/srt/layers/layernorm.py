@@ -1,0 +1,46 @@
+"""RMSNorm with an optional fused residual add."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sglang.srt.layers.linear import default_weight_loader
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension.
+
+    The statistics are computed in float32 and the normalised value is cast back to the input
+    dtype before the weight multiply, which is what the HF Llama/Qwen norms do (so bfloat16 runs
+    round the same way).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x_fp32 = x.float()
+        variance = x_fp32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x_fp32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalise ``x`` (any leading shape).
+
+        Without ``residual`` returns ``norm(x)``. With it returns ``(norm(x + residual), x +
+        residual)``: the sum is the next residual stream, so callers never add it themselves.
+        The add happens in the input dtype, as in the HF decoder layers. Inputs are not mutated.
+        """
+        if residual is None:
+            return self._norm(x)
+        summed = x + residual
+        return self._norm(summed), summed
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"

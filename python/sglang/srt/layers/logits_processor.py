@@ -1,0 +1,109 @@
+"""Hidden states -> next-token logits (last new token of each request) and prompt logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+# Prompt-logprob rows are processed in chunks so the float32 [rows, vocab] block stays below
+# about 2**25 elements (128 MiB) whatever the prompt length.
+_LOGPROB_CHUNK_ELEMENTS = 1 << 25
+
+
+@dataclass
+class LogitsProcessorOutput:
+    """What one forward pass hands to the sampler."""
+
+    next_token_logits: torch.Tensor  # [B, V] float32: logits after the last new token of each req
+    input_token_logprobs: torch.Tensor | None = None  # [R] float32: logprob of each target
+    input_top_logprobs_val: torch.Tensor | None = None  # [R, K] float32, descending
+    input_top_logprobs_idx: torch.Tensor | None = None  # [R, K] int64 token ids
+
+
+class LogitsProcessor(nn.Module):
+    """Computes logits only where they are needed.
+
+    ``config`` is the HF config; its optional ``final_logit_softcapping`` (Gemma-style
+    ``cap * tanh(logits / cap)``) is applied to every logit this module returns.
+    """
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+
+    def _logits(self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        # The matmul runs in the model dtype (as HF does); sampling math is float32 from here on.
+        logits = F.linear(hidden_states, lm_head_weight).float()
+        if self.final_logit_softcapping:
+            cap = float(self.final_logit_softcapping)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        forward_batch: ForwardBatch,
+    ) -> LogitsProcessorOutput:
+        """Logits of the last new token of every request, plus prompt logprobs if asked.
+
+        ``hidden_states`` is ``[num_tokens, H]`` (final norm applied). In DECODE every row is a
+        last token; in EXTEND the last token of request i is row
+        ``sum(extend_seq_lens_cpu[: i + 1]) - 1``. Nothing is mutated.
+        """
+        if forward_batch.is_decode:
+            last_hidden = hidden_states
+        else:
+            ends = torch.tensor(forward_batch.extend_seq_lens_cpu, device=hidden_states.device)
+            last_hidden = hidden_states.index_select(0, ends.cumsum(0) - 1)
+        output = LogitsProcessorOutput(next_token_logits=self._logits(last_hidden, lm_head_weight))
+        if forward_batch.input_logprob_rows is not None:
+            self._fill_input_logprobs(output, hidden_states, lm_head_weight, forward_batch)
+        return output
+
+    def _fill_input_logprobs(
+        self,
+        output: LogitsProcessorOutput,
+        hidden_states: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        forward_batch: ForwardBatch,
+    ) -> None:
+        """Set ``output.input_*`` from ``forward_batch.input_logprob_rows/targets`` (in place)."""
+        rows = forward_batch.input_logprob_rows
+        targets = forward_batch.input_logprob_targets
+        if targets is None or targets.shape != rows.shape:
+            raise ValueError("input_logprob_targets must be given with the same shape as rows")
+        top_k = min(forward_batch.input_top_logprobs_num, lm_head_weight.shape[0])
+        chunk = max(1, _LOGPROB_CHUNK_ELEMENTS // lm_head_weight.shape[0])
+        token_logprobs, top_vals, top_idx = [], [], []
+        for start in range(0, rows.numel(), chunk):
+            chunk_rows = rows[start : start + chunk]
+            logprobs = torch.log_softmax(
+                self._logits(hidden_states.index_select(0, chunk_rows), lm_head_weight), dim=-1
+            )
+            chunk_targets = targets[start : start + chunk].unsqueeze(1)
+            token_logprobs.append(logprobs.gather(1, chunk_targets).squeeze(1))
+            if top_k > 0:
+                vals, idx = logprobs.topk(top_k, dim=-1)
+                top_vals.append(vals)
+                top_idx.append(idx)
+        device = hidden_states.device
+        output.input_token_logprobs = (
+            torch.cat(token_logprobs)
+            if token_logprobs
+            else torch.empty(0, dtype=torch.float32, device=device)
+        )
+        if top_k > 0:
+            empty_idx = torch.empty(0, top_k, dtype=torch.int64, device=device)
+            output.input_top_logprobs_val = (
+                torch.cat(top_vals)
+                if top_vals
+                else torch.empty(0, top_k, dtype=torch.float32, device=device)
+            )
+            output.input_top_logprobs_idx = torch.cat(top_idx) if top_idx else empty_idx

@@ -1,0 +1,221 @@
+"""DetokenizerManager: turns the scheduler's output token ids into incremental text.
+
+Runs in its own process (:func:`run_detokenizer_process`). It receives
+``BatchTokenIDOutput`` (new ids per rid) and sends ``BatchStrOutput`` (new ids + new text per
+rid) to the TokenizerManager. It is the only owner of the decoded text offsets (DESIGN §4).
+
+Incremental decoding, per rid (``ids`` are the output ids received so far)::
+
+    ids:   [ ...... confirmed ...... | window context | new ids ]
+                                     ^surr_offset     ^read_offset
+    decoded_text = text of ids[:read_offset]
+    delta        = decode(ids[surr_offset:]) minus its prefix decode(ids[surr_offset:read_offset])
+
+Decoding a window with some context keeps tokenizers that drop a leading space on the first
+token (SentencePiece) exact. A delta that ends in U+FFFD is a partial UTF-8 character: it is
+held back until more ids complete it. Of ``decoded_text``, the last ``stop_str_max_len - 1``
+characters are held back while the request runs, so a stream never shows a prefix of a stop
+string that the final text trims.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from sglang.srt.managers.io_struct import BatchStrOutput, BatchTokenIDOutput
+from sglang.srt.server_args import PortArgs, ServerArgs
+from sglang.srt.utils import (
+    TypeBasedDispatcher,
+    configure_logger,
+    dumps,
+    get_zmq_socket,
+    loads,
+)
+
+logger = logging.getLogger(__name__)
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+# BatchStrOutput fields copied unchanged from BatchTokenIDOutput.
+_PASSTHROUGH_FIELDS = (
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "retraction_counts",
+    "output_token_logprobs_val",
+    "output_token_logprobs_idx",
+    "output_top_logprobs_val",
+    "output_top_logprobs_idx",
+    "input_token_logprobs_val",
+    "input_token_logprobs_idx",
+    "input_top_logprobs_val",
+    "input_top_logprobs_idx",
+    "output_token_entropy_val",
+)
+
+
+@dataclass
+class DecodeState:
+    """Decoding progress of one rid (see the module docstring for the offsets)."""
+
+    ids: list[int] = field(default_factory=list)
+    surr_offset: int = 0
+    read_offset: int = 0
+    decoded_text: str = ""
+    sent_len: int = 0  # characters of decoded_text already sent
+
+
+class DetokenizerManager:
+    """Incremental detokenization state for every running rid.
+
+    ``tokenizer`` is a Hugging Face tokenizer, or None to pass ids through with empty text
+    (``skip_tokenizer_init``). :meth:`handle_batch_token_id_output` is pure apart from the
+    per-rid state it owns, so it is unit-testable without sockets.
+    """
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, DecodeState] = {}
+
+    def handle_batch_token_id_output(self, msg: BatchTokenIDOutput) -> BatchStrOutput:
+        """Decode the new ids of every rid of ``msg``; drops the state of finished rids."""
+        if self.tokenizer is None:
+            output_strs = [""] * len(msg.rids)
+        else:
+            output_strs = self._decode_batch(msg)
+        extra = {name: getattr(msg, name) for name in _PASSTHROUGH_FIELDS}
+        return BatchStrOutput(
+            rids=list(msg.rids),
+            finished_reasons=list(msg.finished_reasons),
+            output_strs=output_strs,
+            output_ids=[list(ids) for ids in msg.decode_ids],
+            **extra,
+        )
+
+    def _decode_batch(self, msg: BatchTokenIDOutput) -> list[str]:
+        """Advance every rid's decode state; returns the text each may emit now."""
+        states = []
+        for i, rid in enumerate(msg.rids):
+            state = self.states.setdefault(rid, DecodeState())
+            state.ids.extend(_ids_for_text(msg.decode_ids[i], msg.finished_reasons[i],
+                                           msg.no_stop_trim[i]))
+            states.append(state)
+        # One batch_decode call per (skip_special_tokens, spaces_between_special_tokens) group.
+        groups: dict[tuple[bool, bool], list[int]] = {}
+        for i in range(len(msg.rids)):
+            key = (msg.skip_special_tokens[i], msg.spaces_between_special_tokens[i])
+            groups.setdefault(key, []).append(i)
+        for (skip, spaces), members in groups.items():
+            windows = [states[i].ids[states[i].surr_offset:states[i].read_offset] for i in members]
+            fulls = [states[i].ids[states[i].surr_offset:] for i in members]
+            texts = self.tokenizer.batch_decode(
+                windows + fulls,
+                skip_special_tokens=skip,
+                spaces_between_special_tokens=spaces,
+            )
+            for j, i in enumerate(members):
+                finished = msg.finished_reasons[i] is not None
+                _advance(states[i], texts[j], texts[len(members) + j], finished)
+        output_strs = []
+        for i, rid in enumerate(msg.rids):
+            reason = msg.finished_reasons[i]
+            if reason is None:
+                output_strs.append(_emit_running(states[i], msg.stop_str_max_len[i]))
+            else:
+                output_strs.append(_emit_finished(states[i], reason, msg.no_stop_trim[i]))
+                del self.states[rid]
+        return output_strs
+
+    def event_loop(self, recv_socket: zmq.Socket, send_socket: zmq.Socket) -> None:
+        """Receive, decode and forward messages forever (until the process is killed)."""
+        dispatcher = TypeBasedDispatcher(
+            [(BatchTokenIDOutput, self.handle_batch_token_id_output)]
+        )
+        while True:
+            msg = loads(recv_socket.recv())
+            send_socket.send(dumps(dispatcher(msg)))
+
+
+def _ids_for_text(
+    new_ids: list[int], finished_reason: dict[str, Any] | None, no_stop_trim: bool
+) -> list[int]:
+    """The new ids that contribute to the text: a matched stop token id is not shown."""
+    if (
+        finished_reason is not None
+        and finished_reason.get("type") == "stop"
+        and isinstance(finished_reason.get("matched"), int)
+        and not no_stop_trim
+        and new_ids
+        and new_ids[-1] == finished_reason["matched"]
+    ):
+        return list(new_ids[:-1])
+    return list(new_ids)
+
+
+def _advance(state: DecodeState, prefix_text: str, full_text: str, finished: bool) -> None:
+    """Move the confirmed text forward unless the new text ends in a partial character."""
+    if not finished and full_text.endswith(_REPLACEMENT_CHAR):
+        return
+    state.decoded_text += full_text[len(prefix_text):]
+    state.surr_offset = state.read_offset
+    state.read_offset = len(state.ids)
+
+
+def _emit_running(state: DecodeState, stop_str_max_len: int) -> str:
+    """New text of a running rid, holding back what could be the start of a stop string."""
+    end = len(state.decoded_text) - max(stop_str_max_len - 1, 0)
+    end = max(end, state.sent_len)
+    delta = state.decoded_text[state.sent_len:end]
+    state.sent_len = end
+    return delta
+
+
+def _emit_finished(state: DecodeState, reason: dict[str, Any], no_stop_trim: bool) -> str:
+    """All text not sent yet; a matched stop string and what follows it are cut off."""
+    text = state.decoded_text
+    matched = reason.get("matched")
+    if reason.get("type") == "stop" and isinstance(matched, str) and matched and not no_stop_trim:
+        pos = text.find(matched)
+        if pos >= 0:
+            text = text[:pos]
+    return text[state.sent_len:]
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, so no orphan outlives it."""
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL("libc.so.6").prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:
+        logger.debug("prctl unavailable; the detokenizer will not follow its parent's death")
+
+
+def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs) -> None:
+    """Entry point of the detokenizer subprocess; runs until killed.
+
+    PULL binds ``port_args.detokenizer_ipc_name`` (from the scheduler) and PUSH connects to
+    ``port_args.tokenizer_ipc_name`` (the TokenizerManager). An exception is logged and ends
+    the process with a non-zero code, which the TokenizerManager's liveness check reports.
+    """
+    configure_logger(server_args.log_level, prefix=" Detokenizer")
+    _die_with_parent()
+    from sglang.srt.managers.tokenizer_manager import get_tokenizer
+
+    context = zmq.Context(2)
+    recv_socket = get_zmq_socket(context, zmq.PULL, port_args.detokenizer_ipc_name, bind=True)
+    send_socket = get_zmq_socket(context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False)
+    try:
+        tokenizer = None if server_args.skip_tokenizer_init else get_tokenizer(server_args)
+        DetokenizerManager(tokenizer).event_loop(recv_socket, send_socket)
+    except Exception:
+        logger.exception("Detokenizer failed")
+        raise

@@ -1,0 +1,101 @@
+"""Request-level KV operations: the only code that moves KV between a request, the prefix cache
+and the allocator.
+
+A request holds, while admitted:
+  * one row of the ReqToTokenPool (``req.req_pool_idx``),
+  * a locked prefix-cache match (``req.cache_handle``; slots ``[0, req.prefix_len)``),
+  * private slots ``[req.prefix_len, req.kv_len)`` it allocated itself (plus the slots of the
+    tokens being computed in the current step).
+
+:meth:`ReqKV.release` gives all of it back (caching what is worth caching); it is called by the
+finish, abort and retract paths alike, so none of them can leak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+
+
+@dataclass
+class ReqKV:
+    req_to_token_pool: ReqToTokenPool
+    allocator: TokenToKVPoolAllocator
+    tree_cache: BasePrefixCache
+    page_size: int
+
+    def available_tokens(self) -> int:
+        """Tokens that can be allocated now, counting what eviction would free."""
+        return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    def match_and_lock(self, req: Req, max_prefix_len: int) -> None:
+        """Match ``req.fill_ids[:max_prefix_len]`` in the cache and lock the match.
+
+        Precondition: the request holds no KV (fresh or released). Sets ``prefix_indices``,
+        ``prefix_len``, ``kv_len`` and ``cache_handle``.
+        """
+        match = self.tree_cache.match_prefix(req.fill_ids[:max_prefix_len])
+        self.tree_cache.lock(match.handle)
+        req.cache_handle = match.handle
+        req.prefix_indices = match.device_indices
+        req.prefix_len = int(match.device_indices.numel())
+        req.kv_len = req.prefix_len
+
+    def unlock_unadmitted(self, req: Req) -> None:
+        """Undo :meth:`match_and_lock` for a request that was not admitted after all."""
+        self.tree_cache.unlock(req.cache_handle)
+        req.cache_handle = None
+        req.prefix_len = req.kv_len = 0
+
+    def ensure_free(self, num_tokens: int) -> bool:
+        """Evict from the cache until ``num_tokens`` slots are free; False if impossible."""
+        short = num_tokens - self.allocator.available_size()
+        if short > 0:
+            self.tree_cache.evict(short)
+        return self.allocator.available_size() >= num_tokens
+
+    def alloc_extend(
+        self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]
+    ) -> torch.Tensor | None:
+        """Slots for tokens ``prefix_lens[i]..seq_lens[i]-1`` of each request (evicting first)."""
+        num_new = sum(s - p for s, p in zip(seq_lens, prefix_lens))
+        if not self.ensure_free(num_new + self.page_size * len(seq_lens)):
+            self.ensure_free(num_new)  # the page-rounding margin may not be needed
+        return self.allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
+
+    def alloc_decode(self, seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
+        """One slot per request for its token at position ``seq_lens[i] - 1``."""
+        self.ensure_free(len(seq_lens) * self.page_size)
+        return self.allocator.alloc_decode(seq_lens, last_locs)
+
+    def release(self, req: Req) -> None:
+        """Give back everything ``req`` holds; its computed KV goes to the prefix cache.
+
+        Precondition: the first ``req.kv_len`` tokens of prompt + output have KV in its row.
+        Afterwards the request holds nothing and may be re-admitted (re-prefilled) later.
+        """
+        if req.req_pool_idx is None:
+            return
+        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].clone()
+        aligned = req.kv_len // self.page_size * self.page_size
+        token_ids = (req.origin_input_ids + req.output_ids)[:aligned]
+        num_cached = self.tree_cache.insert(token_ids, kv[:aligned])
+        if num_cached > req.prefix_len:  # computed twice: another request cached them first
+            self.allocator.free(kv[req.prefix_len : num_cached])
+        if aligned < req.kv_len:
+            self.allocator.free(kv[aligned:])
+        self.tree_cache.unlock(req.cache_handle)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.cache_handle = None
+        req.prefix_indices = None
+        req.prefix_len = req.kv_len = 0

@@ -1,0 +1,384 @@
+"""Per-request state (:class:`Req`) and the batch the scheduler runs (:class:`ScheduleBatch`).
+
+Sequence bookkeeping of one request (``all_ids = origin_input_ids + output_ids``)::
+
+    position   0 ........................ prompt_len-1 | prompt_len ........ len(all_ids)-1
+    tokens     origin_input_ids                         | output_ids
+    KV         [0, kv_len) computed; in DECODE kv_len == len(all_ids) - 1 (last token not fed yet)
+
+A retracted request keeps ``output_ids``; re-admission prefills ``fill_ids = all_ids`` again.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from sglang.srt.managers.req_kv import ReqKV
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+
+class Req:
+    """One generation request inside the scheduler. Only the Scheduler mutates it."""
+
+    def __init__(
+        self,
+        rid: str,
+        origin_input_ids: list[int],
+        sampling_params: SamplingParams,
+        sampling_seed: int,
+        eos_token_ids: set[int],
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+        return_entropy: bool = False,
+        stop_str_max_len: int = 0,
+    ) -> None:
+        self.rid = rid
+        self.origin_input_ids = origin_input_ids
+        self.sampling_params = sampling_params
+        self.sampling_seed = sampling_seed
+        self.eos_token_ids = eos_token_ids  # stop tokens (model EOS unless ignore_eos, + user's)
+        self.return_logprob = return_logprob
+        self.logprob_start_len = logprob_start_len
+        self.top_logprobs_num = top_logprobs_num
+        self.stream = stream
+        self.return_entropy = return_entropy
+        self.stop_str_max_len = stop_str_max_len  # in tokens, an upper bound
+        self.arrival_time = time.monotonic()
+
+        self.output_ids: list[int] = []
+        self.finished_reason: dict[str, Any] | None = None
+
+        # KV state (see ReqKV)
+        self.fill_ids: list[int] = []
+        self.req_pool_idx: int | None = None
+        self.cache_handle: Any = None
+        self.prefix_indices: torch.Tensor | None = None
+        self.prefix_len = 0
+        self.kv_len = 0
+        self.extend_len = 0  # tokens computed by the current extend step
+        self.is_chunked = False  # True while a chunked prefill has more chunks to go
+
+        # Accounting and output
+        self.cached_tokens = 0
+        self.num_retractions = 0
+        self.num_sent_ids = 0  # output ids already sent to the detokenizer
+        self.output_token_logprobs_val: list[float] = []
+        self.output_token_logprobs_idx: list[int] = []
+        self.output_top_logprobs_val: list[list[float]] = []
+        self.output_top_logprobs_idx: list[list[int]] = []
+        self.output_token_entropy_val: list[float] = []
+        self.input_token_logprobs_val: list[float | None] = []
+        self.input_token_logprobs_idx: list[int] = []
+        self.input_top_logprobs_val: list[list[float]] = []
+        self.input_top_logprobs_idx: list[list[int]] = []
+        self.input_logprobs_done = False  # all prompt logprobs computed
+        self.input_logprobs_sent = False
+
+    # ---- derived ----------------------------------------------------------------------------
+    @property
+    def prompt_len(self) -> int:
+        return len(self.origin_input_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """True while prompt logprobs are still to be computed (never again after a retract)."""
+        return (
+            self.return_logprob
+            and 0 <= self.logprob_start_len < self.prompt_len
+            and not self.input_logprobs_done
+        )
+
+    def init_fill_ids(self) -> None:
+        """Before (re-)admission: the tokens whose KV must exist before the next sample."""
+        self.fill_ids = self.origin_input_ids + self.output_ids
+
+    def max_prefix_len(self) -> int:
+        """How much of ``fill_ids`` may come from the cache.
+
+        At least one token is always computed (its logits give the next token); prompt logprobs
+        need the logits from position ``logprob_start_len - 1`` on.
+        """
+        limit = len(self.fill_ids) - 1
+        if self.wants_input_logprobs:
+            limit = min(limit, max(self.logprob_start_len - 1, 0))
+        return limit
+
+    # ---- finishing --------------------------------------------------------------------------
+    def check_finished(self, tokenizer: Any) -> None:
+        """Set ``finished_reason`` if the last output token ends the request."""
+        if self.finished:
+            return
+        sp = self.sampling_params
+        num_out = len(self.output_ids)
+        if num_out >= sp.max_new_tokens:
+            self.finished_reason = {"type": "length", "length": sp.max_new_tokens}
+            return
+        if num_out < sp.min_new_tokens:
+            return
+        last = self.output_ids[-1]
+        if last in self.eos_token_ids:
+            self.finished_reason = {"type": "stop", "matched": last}
+            return
+        if sp.stop_strs and tokenizer is not None:
+            tail = tokenizer.decode(self.output_ids[-(self.stop_str_max_len + 2) :])
+            for stop in sp.stop_strs:
+                if stop in tail:
+                    self.finished_reason = {"type": "stop", "matched": stop}
+                    return
+
+    def on_retract(self) -> None:
+        """The request lost its KV: count it, and drop partial prompt logprobs (recomputed)."""
+        self.num_retractions += 1
+        self.is_chunked = False
+        if not self.input_logprobs_done:
+            self.input_token_logprobs_val.clear()
+            self.input_token_logprobs_idx.clear()
+            self.input_top_logprobs_val.clear()
+            self.input_top_logprobs_idx.clear()
+
+    def abort(self, message: str) -> None:
+        self.finished_reason = {"type": "abort", "message": message}
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid!r}, prompt_len={self.prompt_len}, out={len(self.output_ids)})"
+
+
+class ScheduleBatch:
+    """A list of requests run together, and the ForwardBatch built for them.
+
+    ``prepare_for_extend`` / ``prepare_for_decode`` allocate the KV slots of the step; the
+    results are committed by the scheduler (``kv_len`` advances) after the forward pass.
+    """
+
+    def __init__(self, reqs: list[Req], kv: ReqKV, vocab_size: int, device: str) -> None:
+        self.reqs = reqs
+        self.kv = kv
+        self.vocab_size = vocab_size
+        self.device = device
+        self.forward_mode = ForwardMode.DECODE
+        self.forward_batch: ForwardBatch | None = None  # built by prepare_for_*
+        self.input_logprob_counts: list[int] = []  # prompt-logprob rows per request (extend)
+        self._sampling_info: SamplingBatchInfo | None = None
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    @property
+    def sampling_info(self) -> SamplingBatchInfo:
+        """Built lazily and kept while the batch composition does not change."""
+        if self._sampling_info is None:
+            self._sampling_info = SamplingBatchInfo.from_reqs(
+                self.reqs, self.vocab_size, self.device
+            )
+        return self._sampling_info
+
+    @property
+    def return_logprob(self) -> bool:
+        return any(r.return_logprob for r in self.reqs)
+
+    @property
+    def top_logprobs_nums(self) -> list[int] | None:
+        nums = [r.top_logprobs_num if r.return_logprob else 0 for r in self.reqs]
+        return nums if any(nums) else None
+
+    # ---- extend -----------------------------------------------------------------------------
+    def prepare_for_extend(self) -> ForwardBatch | None:
+        """Allocate rows and KV slots for each request's ``extend_len`` new tokens.
+
+        Precondition: every request has ``fill_ids``, a locked prefix (``kv_len`` tokens of KV)
+        and ``extend_len`` set; new requests have no pool row yet. Returns None (allocating
+        nothing) when the pool is out of rows or slots.
+        """
+        self.forward_mode = ForwardMode.EXTEND
+        pool = self.kv.req_to_token_pool
+        new = [r for r in self.reqs if r.req_pool_idx is None]
+        rows = pool.alloc(len(new))
+        if rows is None:
+            return None
+        for r, row in zip(new, rows):
+            r.req_pool_idx = row
+            if r.prefix_len:
+                pool.write(row, 0, r.prefix_indices)
+        prefix_lens = [r.kv_len for r in self.reqs]
+        seq_lens = [r.kv_len + r.extend_len for r in self.reqs]
+        last_locs = self._last_locs(prefix_lens)
+        out_cache_loc = self.kv.alloc_extend(prefix_lens, seq_lens, last_locs)
+        if out_cache_loc is None:
+            for r in new:
+                pool.free(r.req_pool_idx)
+                r.req_pool_idx = None
+            return None
+        input_ids: list[int] = []
+        positions: list[int] = []
+        offset = 0
+        for r, start, end in zip(self.reqs, prefix_lens, seq_lens):
+            pool.write(r.req_pool_idx, start, out_cache_loc[offset : offset + end - start])
+            offset += end - start
+            input_ids.extend(r.fill_ids[start:end])
+            positions.extend(range(start, end))
+        rows_t, targets_t, top_k = self._input_logprob_rows(prefix_lens, seq_lens)
+        self._sampling_info = None
+        return ForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            batch_size=len(self.reqs),
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=self._pool_indices(),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
+            seq_lens_cpu=seq_lens,
+            extend_seq_lens_cpu=[e - s for s, e in zip(prefix_lens, seq_lens)],
+            extend_prefix_lens_cpu=prefix_lens,
+            req_to_token_pool=pool,
+            token_to_kv_pool=None,  # set by the model runner
+            input_logprob_rows=rows_t,
+            input_logprob_targets=targets_t,
+            input_top_logprobs_num=top_k,
+        )
+
+    def _input_logprob_rows(
+        self, prefix_lens: list[int], seq_lens: list[int]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+        """Rows whose logits give prompt logprobs: position p predicts token p + 1."""
+        rows: list[int] = []
+        targets: list[int] = []
+        top_k = 0
+        offset = 0
+        self.input_logprob_counts = [0] * len(self.reqs)
+        for i, (r, start, end) in enumerate(zip(self.reqs, prefix_lens, seq_lens)):
+            if r.wants_input_logprobs:
+                first = max(r.logprob_start_len - 1, start)
+                last = min(r.prompt_len - 2, end - 1)  # inclusive
+                rows.extend(range(offset + first - start, offset + last - start + 1))
+                targets.extend(r.fill_ids[first + 1 : last + 2])
+                top_k = max(top_k, r.top_logprobs_num)
+                self.input_logprob_counts[i] = max(last - first + 1, 0)
+            offset += end - start
+        if not rows and not any(r.wants_input_logprobs for r in self.reqs):
+            return None, None, 0
+        return (
+            torch.tensor(rows, dtype=torch.int64, device=self.device),
+            torch.tensor(targets, dtype=torch.int64, device=self.device),
+            top_k,
+        )
+
+    # ---- decode -----------------------------------------------------------------------------
+    def prepare_for_decode(self) -> ForwardBatch | None:
+        """Allocate one slot per request for its last token; None if the pool is full."""
+        self.forward_mode = ForwardMode.DECODE
+        seq_lens = [r.seq_len for r in self.reqs]
+        kv_lens = [s - 1 for s in seq_lens]
+        out_cache_loc = self.kv.alloc_decode(seq_lens, self._last_locs(kv_lens))
+        if out_cache_loc is None:
+            return None
+        pool_indices = self._pool_indices()
+        positions = torch.tensor(kv_lens, dtype=torch.int64, device=self.device)
+        self.kv.req_to_token_pool.req_to_token[pool_indices, positions] = out_cache_loc
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=len(self.reqs),
+            input_ids=torch.tensor(
+                [r.output_ids[-1] for r in self.reqs], dtype=torch.int64, device=self.device
+            ),
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=pool_indices,
+            seq_lens=positions + 1,
+            seq_lens_cpu=seq_lens,
+            extend_seq_lens_cpu=[1] * len(self.reqs),
+            extend_prefix_lens_cpu=kv_lens,
+            req_to_token_pool=self.kv.req_to_token_pool,
+            token_to_kv_pool=None,  # set by the model runner
+        )
+
+    def decode_tokens_needed(self) -> int:
+        """Free slots the next decode step needs (pages only for requests crossing a page)."""
+        page = self.kv.page_size
+        if page == 1:
+            return len(self.reqs)
+        return sum(page for r in self.reqs if (r.seq_len - 1) % page == 0)
+
+    # ---- composition ------------------------------------------------------------------------
+    def filter(self, keep: list[Req]) -> None:
+        """Keep only ``keep`` (a sub-list of ``reqs`` in the same order)."""
+        if len(keep) != len(self.reqs):
+            self.reqs = keep
+            self._sampling_info = None
+
+    def merge(self, other: ScheduleBatch) -> None:
+        self.reqs = self.reqs + other.reqs
+        self._sampling_info = None
+
+    def retract_decode(self, needed: int) -> list[Req]:
+        """Release the requests with the least progress until ``needed`` slots can be freed.
+
+        The retracted requests keep their output and are returned in their original order; the
+        caller puts them back at the front of the waiting queue. At least one request stays.
+        """
+        order = sorted(
+            range(len(self.reqs)),
+            key=lambda i: (len(self.reqs[i].output_ids), -self.reqs[i].prompt_len),
+        )
+        retracted: set[int] = set()
+        for i in order:
+            if len(retracted) == len(self.reqs) - 1 or self.kv.available_tokens() >= needed:
+                break
+            self._retract(self.reqs[i])
+            retracted.add(i)
+            needed = self._decode_need_without(retracted)
+        out = [r for i, r in enumerate(self.reqs) if i in retracted]
+        self.filter([r for i, r in enumerate(self.reqs) if i not in retracted])
+        return out
+
+    def retract_all(self) -> list[Req]:
+        """Release every request (order kept) and empty the batch."""
+        out = list(self.reqs)
+        for r in out:
+            self._retract(r)
+        self.filter([])
+        return out
+
+    def _retract(self, req: Req) -> None:
+        self.kv.release(req)
+        req.on_retract()
+
+    def _decode_need_without(self, retracted: set[int]) -> int:
+        page = self.kv.page_size
+        return sum(
+            page if page > 1 and (r.seq_len - 1) % page == 0 else (1 if page == 1 else 0)
+            for i, r in enumerate(self.reqs)
+            if i not in retracted
+        )
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _pool_indices(self) -> torch.Tensor:
+        return torch.tensor(
+            [r.req_pool_idx for r in self.reqs], dtype=torch.int64, device=self.device
+        )
+
+    def _last_locs(self, kv_lens: list[int]) -> list[int]:
+        """Slot of each request's token ``kv_lens[i] - 1`` (-1 if none); only paged pools."""
+        if self.kv.page_size == 1:
+            return [-1] * len(self.reqs)
+        table = self.kv.req_to_token_pool.req_to_token
+        return [
+            int(table[r.req_pool_idx, n - 1]) if n > 0 else -1 for r, n in zip(self.reqs, kv_lens)
+        ]

@@ -1,0 +1,122 @@
+"""Which waiting requests to prefill next: queue order and the token budget of one prefill."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sglang.srt.managers.req_kv import ReqKV
+from sglang.srt.managers.schedule_batch import Req
+
+# Output tokens a running request is assumed to still need at most, when reserving KV for it.
+_MAX_RESERVED_NEW_TOKENS = 4096
+
+
+def sort_waiting_queue(queue: list[Req], policy: str, kv: ReqKV) -> None:
+    """Order ``queue`` in place: fcfs keeps arrival order, lpm puts long cached prefixes first.
+
+    lpm only peeks at the cache (match without locking); the match is redone at admission.
+    """
+    if policy == "fcfs" or len(queue) < 2:
+        return
+    lengths = {}
+    for r in queue:
+        ids = r.origin_input_ids + r.output_ids
+        lengths[id(r)] = int(kv.tree_cache.match_prefix(ids[: len(ids) - 1]).device_indices.numel())
+    queue.sort(key=lambda r: -lengths[id(r)])
+
+
+def reserved_decode_tokens(running: list[Req], new_token_ratio: float) -> int:
+    """KV to keep for requests already running: their remaining budget times the ratio."""
+    return int(
+        sum(
+            min(r.sampling_params.max_new_tokens - len(r.output_ids), _MAX_RESERVED_NEW_TOKENS)
+            for r in running
+        )
+        * new_token_ratio
+    )
+
+
+@dataclass
+class PrefillAdder:
+    """Admits requests into one prefill batch within three budgets.
+
+    * ``rem_total_tokens``: KV tokens available (free + evictable) minus what running requests
+      are expected to need;
+    * ``rem_input_tokens``: ``--max-prefill-tokens`` for this forward pass;
+    * ``rem_chunk_tokens``: ``--chunked-prefill-size`` (None: no chunking). A request longer
+      than what is left is cut, and becomes the batch's (single) chunked request.
+    """
+
+    kv: ReqKV
+    rem_total_tokens: int
+    rem_input_tokens: int
+    rem_chunk_tokens: int | None
+    new_token_ratio: float
+    page_size: int
+
+    def __post_init__(self) -> None:
+        self.can_run: list[Req] = []
+        self.new_chunked_req: Req | None = None
+
+    def add_chunked_req(self, req: Req) -> None:
+        """Continue a chunked prefill: it goes first and is never refused."""
+        req.extend_len = self._chunk_len(len(req.fill_ids) - req.kv_len)
+        req.is_chunked = req.kv_len + req.extend_len < len(req.fill_ids)
+        self._take(req, req.extend_len)
+        self.can_run.append(req)
+        if req.is_chunked:
+            self.new_chunked_req = req
+
+    def add_one_req(self, req: Req) -> bool:
+        """Try to admit ``req`` (its prefix is matched and locked here). False: stop adding."""
+        if self.new_chunked_req is not None or not self.budget_left():
+            return False
+        req.init_fill_ids()
+        self.kv.match_and_lock(req, req.max_prefix_len())
+        extend_len = len(req.fill_ids) - req.kv_len
+        take = self._chunk_len(extend_len)
+        if take > self.rem_input_tokens:
+            take = self._page_floor(self.rem_input_tokens)
+        if take < extend_len and (self.rem_chunk_tokens is None or take == 0):
+            if self.can_run or self.rem_chunk_tokens is not None:
+                self.kv.unlock_unadmitted(req)
+                return False
+            take = extend_len  # chunking is off: a lone prompt over the budget still runs
+        reserve = min(
+            req.sampling_params.max_new_tokens - len(req.output_ids), _MAX_RESERVED_NEW_TOKENS
+        )
+        need = take + self.page_size
+        if take == extend_len:
+            need += int(reserve * self.new_token_ratio)
+        alone_fits = not self.can_run and take + self.page_size <= self.rem_total_tokens
+        if need > self.rem_total_tokens and not alone_fits:
+            self.kv.unlock_unadmitted(req)
+            return False
+        req.cached_tokens = max(req.cached_tokens, req.prefix_len)
+        req.extend_len = take
+        req.is_chunked = take < extend_len
+        self._take(req, need)
+        self.can_run.append(req)
+        if req.is_chunked:
+            self.new_chunked_req = req
+        return True
+
+    def budget_left(self) -> bool:
+        return self.rem_input_tokens > 0 and (
+            self.rem_chunk_tokens is None or self.rem_chunk_tokens > 0
+        )
+
+    def _chunk_len(self, extend_len: int) -> int:
+        if self.rem_chunk_tokens is None or extend_len <= self.rem_chunk_tokens:
+            return extend_len
+        return self._page_floor(self.rem_chunk_tokens)
+
+    def _page_floor(self, num_tokens: int) -> int:
+        # Cut on a page boundary so the cached part of a chunked request stays page-aligned.
+        return max(num_tokens, 0) // self.page_size * self.page_size
+
+    def _take(self, req: Req, total: int) -> None:
+        self.rem_total_tokens -= total
+        self.rem_input_tokens -= req.extend_len
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= req.extend_len

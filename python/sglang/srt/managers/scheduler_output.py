@@ -1,0 +1,174 @@
+"""Committing step results into requests, and streaming them to the detokenizer.
+
+``commit_*`` append each request's new token (and logprobs), check whether it finished, release
+the KV of finished requests and send what is due. A request's messages are incremental: ids and
+logprobs from ``req.num_sent_ids`` on; prompt logprobs once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sglang.srt.managers.io_struct import BatchTokenIDOutput
+from sglang.srt.managers.req_kv import ReqKV
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.managers.tp_worker import GenerationBatchResult
+
+
+class OutputProcessor:
+    def __init__(
+        self,
+        kv: ReqKV,
+        tokenizer: Any,
+        send: Callable[[BatchTokenIDOutput], None],
+        stream_interval: int,
+    ) -> None:
+        self.kv = kv
+        self.tokenizer = tokenizer
+        self.send = send
+        self.stream_interval = stream_interval
+
+    def commit_extend(self, batch: ScheduleBatch, result: GenerationBatchResult) -> list[Req]:
+        """Commit a prefill step. Returns the requests whose prefill completed (finished or not);
+        a request with chunks still to go only advances its ``kv_len``."""
+        done = []
+        offset = 0
+        for i, req in enumerate(batch.reqs):
+            req.kv_len += req.extend_len
+            num_rows = batch.input_logprob_counts[i]
+            if num_rows or req.wants_input_logprobs:
+                self._add_input_logprobs(req, result, offset, num_rows)
+                offset += num_rows
+            if req.is_chunked:
+                continue
+            if req.wants_input_logprobs:
+                req.input_logprobs_done = True
+            self._append_token(req, result, i)
+            done.append(req)
+        self._after_step(done)
+        return done
+
+    def commit_decode(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+        for i, req in enumerate(batch.reqs):
+            req.kv_len += 1
+            self._append_token(req, result, i)
+        self._after_step(batch.reqs)
+
+    def finish(self, reqs: list[Req]) -> None:
+        """Send the final output of requests finished outside a step (abort, rejection)."""
+        self.stream(reqs)
+
+    def _append_token(self, req: Req, result: GenerationBatchResult, i: int) -> None:
+        req.output_ids.append(result.next_token_ids[i])
+        if req.return_logprob:
+            req.output_token_logprobs_val.append(result.next_token_logprobs[i])
+            req.output_token_logprobs_idx.append(result.next_token_ids[i])
+            if req.top_logprobs_num:
+                req.output_top_logprobs_val.append(
+                    result.top_logprobs_val[i][: req.top_logprobs_num]
+                )
+                req.output_top_logprobs_idx.append(
+                    result.top_logprobs_idx[i][: req.top_logprobs_num]
+                )
+        req.check_finished(self.tokenizer)
+
+    def _add_input_logprobs(
+        self, req: Req, result: GenerationBatchResult, offset: int, num_rows: int
+    ) -> None:
+        if not req.input_token_logprobs_idx:  # first chunk carrying prompt logprobs
+            start = req.logprob_start_len
+            if start == 0:  # the first prompt token has no logprob
+                req.input_token_logprobs_val.append(None)
+                req.input_token_logprobs_idx.append(req.origin_input_ids[0])
+                if req.top_logprobs_num:
+                    req.input_top_logprobs_val.append([])
+                    req.input_top_logprobs_idx.append([])
+        end = offset + num_rows
+        req.input_token_logprobs_val.extend(result.input_token_logprobs[offset:end])
+        first_target = len(req.input_token_logprobs_idx) + req.logprob_start_len
+        req.input_token_logprobs_idx.extend(
+            req.origin_input_ids[first_target : first_target + num_rows]
+        )
+        if req.top_logprobs_num:
+            k = req.top_logprobs_num
+            req.input_top_logprobs_val.extend(
+                v[:k] for v in result.input_top_logprobs_val[offset:end]
+            )
+            req.input_top_logprobs_idx.extend(
+                i[:k] for i in result.input_top_logprobs_idx[offset:end]
+            )
+
+    def _after_step(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            if req.finished:
+                self.kv.release(req)
+        self.stream([r for r in reqs if self._due(r)])
+
+    def _due(self, req: Req) -> bool:
+        if req.finished:
+            return True
+        if not req.stream:
+            return False
+        unsent = len(req.output_ids) - req.num_sent_ids
+        return unsent >= self.stream_interval or (req.num_sent_ids == 0 and unsent > 0)
+
+    def stream(self, reqs: list[Req]) -> None:
+        """Send the unsent part of each request's output in one BatchTokenIDOutput."""
+        if not reqs:
+            return
+        any_logprob = any(r.return_logprob for r in reqs)
+        any_entropy = any(r.return_entropy for r in reqs)
+        msg = BatchTokenIDOutput(
+            rids=[r.rid for r in reqs],
+            finished_reasons=[r.finished_reason for r in reqs],
+            decode_ids=[r.output_ids[r.num_sent_ids :] for r in reqs],
+            skip_special_tokens=[r.sampling_params.skip_special_tokens for r in reqs],
+            spaces_between_special_tokens=[
+                r.sampling_params.spaces_between_special_tokens for r in reqs
+            ],
+            no_stop_trim=[r.sampling_params.no_stop_trim for r in reqs],
+            stop_str_max_len=[
+                max((len(s) for s in r.sampling_params.stop_strs), default=0) for r in reqs
+            ],
+            prompt_tokens=[r.prompt_len for r in reqs],
+            completion_tokens=[len(r.output_ids) for r in reqs],
+            cached_tokens=[r.cached_tokens for r in reqs],
+            retraction_counts=[r.num_retractions for r in reqs],
+        )
+        if any_logprob:
+            self._fill_logprobs(msg, reqs)
+        if any_entropy:
+            msg.output_token_entropy_val = [
+                r.output_token_entropy_val[r.num_sent_ids :] for r in reqs
+            ]
+        for r in reqs:
+            r.num_sent_ids = len(r.output_ids)
+        self.send(msg)
+
+    @staticmethod
+    def _fill_logprobs(msg: BatchTokenIDOutput, reqs: list[Req]) -> None:
+        msg.output_token_logprobs_val = [
+            r.output_token_logprobs_val[r.num_sent_ids :] for r in reqs
+        ]
+        msg.output_token_logprobs_idx = [
+            r.output_token_logprobs_idx[r.num_sent_ids :] for r in reqs
+        ]
+        msg.output_top_logprobs_val = [r.output_top_logprobs_val[r.num_sent_ids :] for r in reqs]
+        msg.output_top_logprobs_idx = [r.output_top_logprobs_idx[r.num_sent_ids :] for r in reqs]
+        first = [r.input_logprobs_done and not r.input_logprobs_sent for r in reqs]
+        msg.input_token_logprobs_val = [
+            r.input_token_logprobs_val if f else [] for r, f in zip(reqs, first)
+        ]
+        msg.input_token_logprobs_idx = [
+            r.input_token_logprobs_idx if f else [] for r, f in zip(reqs, first)
+        ]
+        msg.input_top_logprobs_val = [
+            r.input_top_logprobs_val if f else [] for r, f in zip(reqs, first)
+        ]
+        msg.input_top_logprobs_idx = [
+            r.input_top_logprobs_idx if f else [] for r, f in zip(reqs, first)
+        ]
+        for r, f in zip(reqs, first):
+            if f:
+                r.input_logprobs_sent = True

@@ -1,0 +1,473 @@
+"""TokenizerManager: the frontend of the engine, living in the caller's process.
+
+It tokenizes and validates requests, sends them to the scheduler, and routes the
+detokenizer's incremental outputs back to the callers by rid (DESIGN §3). It is the only owner
+of the per-rid frontend state. Every async method runs on ONE asyncio loop, the one that calls
+:meth:`TokenizerManager.start`; nothing here is thread-safe.
+
+Failure model: when the scheduler or detokenizer process exits, or the scheduler reports a
+``SchedulerErrorOutput``, every waiting caller and control call raises
+``RuntimeError("scheduler died: ...")`` and every new call fails fast. Nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import zmq
+import zmq.asyncio
+
+from sglang.srt.managers.io_struct import (
+    AbortReq,
+    AbortReqOutput,
+    BatchStrOutput,
+    FlushCacheReqInput,
+    FlushCacheReqOutput,
+    GenerateReqInput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    SchedulerErrorOutput,
+    TokenizedGenerateReqInput,
+)
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import PortArgs, ServerArgs
+from sglang.srt.utils import TypeBasedDispatcher, dumps, get_zmq_socket, loads
+
+if TYPE_CHECKING:
+    import fastapi
+
+logger = logging.getLogger(__name__)
+
+# How often a waiting request checks whether its HTTP client went away.
+_DISCONNECT_POLL_S = 0.5
+# How often the liveness task checks the scheduler and detokenizer processes.
+_WATCH_INTERVAL_S = 0.5
+# After an abort that the scheduler says ended nothing, a still-unfinished targeted request is
+# finished locally after this grace period (its final output may be in flight meanwhile).
+_ABORT_GRACE_S = 1.0
+
+
+def get_tokenizer(server_args: ServerArgs) -> Any:
+    """Load the Hugging Face tokenizer of ``server_args.tokenizer_path`` (a dir or a .gguf)."""
+    from transformers import AutoTokenizer
+
+    path = server_args.tokenizer_path
+    kwargs: dict[str, Any] = {"trust_remote_code": server_args.trust_remote_code}
+    if path.endswith(".gguf") and os.path.isfile(path):
+        kwargs["gguf_file"] = os.path.basename(path)
+        path = os.path.dirname(path) or "."
+    return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+class TokenizerManager:
+    """Frontend state of every rid and the ZMQ link to the scheduler and the detokenizer.
+
+    ``scheduler_info`` is the scheduler's ready message (``context_length``, ``vocab_size``,
+    ``max_req_input_len``, ...). Sockets are created by :meth:`start`, in the owning loop.
+    """
+
+    is_generation = True
+
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, scheduler_info: dict) -> None:
+        self.server_args = server_args
+        self.port_args = port_args
+        self.scheduler_info = scheduler_info
+        self.model_path = server_args.model_path
+        self.served_model_name = server_args.served_model_name
+        self.context_len: int = scheduler_info["context_length"]
+        self.vocab_size: int = scheduler_info["vocab_size"]
+        self.max_req_input_len: int = scheduler_info["max_req_input_len"]
+        self.tokenizer = None if server_args.skip_tokenizer_init else get_tokenizer(server_args)
+        self.rid_to_state: dict[str, ReqState] = {}
+        self._pending_controls: dict[str, asyncio.Future] = {}
+        self._abort_targets: dict[str, list[ReqState]] = {}
+        self._procs: list[Any] = []
+        self._dead_reason: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._context: zmq.asyncio.Context | None = None
+        self._send_socket: zmq.asyncio.Socket | None = None
+        self._recv_socket: zmq.asyncio.Socket | None = None
+        self._dispatcher = TypeBasedDispatcher([
+            (BatchStrOutput, self._handle_batch_str_output),
+            (AbortReqOutput, self._handle_abort_output),
+            (FlushCacheReqOutput, self._handle_control_output),
+            (GetInternalStateReqOutput, self._handle_control_output),
+            (SchedulerErrorOutput, self._handle_scheduler_error),
+        ])
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Create the sockets and background tasks in the running loop (idempotent).
+
+        Must be called from inside the loop that will own this manager; calling it later from
+        another loop raises RuntimeError.
+        """
+        loop = asyncio.get_running_loop()
+        if self._loop is not None:
+            if self._loop is not loop:
+                raise RuntimeError("TokenizerManager is already bound to another event loop")
+            return
+        self._loop = loop
+        self._context = zmq.asyncio.Context(2)
+        self._send_socket = get_zmq_socket(
+            self._context, zmq.PUSH, self.port_args.scheduler_input_ipc_name, bind=False
+        )
+        self._recv_socket = get_zmq_socket(
+            self._context, zmq.PULL, self.port_args.tokenizer_ipc_name, bind=True
+        )
+        self._tasks = [loop.create_task(self._recv_loop()), loop.create_task(self._watch_loop())]
+
+    def watch_processes(self, procs: list[Any]) -> None:
+        """Fail every caller when one of ``procs`` (objects with ``is_alive()``) exits."""
+        self._procs = list(procs)
+
+    async def close(self, reason: str = "engine is shut down") -> None:
+        """Fail pending callers with ``reason``, stop the tasks and close the sockets."""
+        self._fail_all(reason)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._context is not None:
+            self._send_socket.close(linger=0)
+            self._recv_socket.close(linger=0)
+            self._context.term()
+            self._context = None
+
+    # ---- generation --------------------------------------------------------------------------
+    async def generate_request(
+        self, obj: GenerateReqInput, request: fastapi.Request | None = None
+    ) -> AsyncIterator[dict | list[dict]]:
+        """Validate, send and await ``obj``; yields outputs (see the module docstring).
+
+        Non-stream: yields one dict (single request) or one list of dicts in input order
+        (batch, or ``n > 1``). Stream: yields a dict per update with cumulative text and ids;
+        for a batch each dict carries its ``index``. A ValueError is raised before anything is
+        sent when a request is invalid. If ``request``'s client disconnects, the rids are
+        aborted and the iterator ends. Closing the iterator early aborts unfinished rids.
+        """
+        self._check_alive()
+        self.start()
+        obj.normalize_batch_and_arguments()
+        reqs, parents = self._tokenize_and_validate(obj)
+        is_list = not obj.is_single or len(reqs) > 1
+        notify = asyncio.Event()
+        states = [
+            ReqState(req, notify, parent, self._text_decoder(obj.return_text_in_logprobs))
+            for req, parent in zip(reqs, parents)
+        ]
+        for state in states:
+            self.rid_to_state[state.rid] = state
+        for req in reqs:
+            self._send(req)
+        try:
+            async for out in self._wait_states(states, obj.stream, is_list, request):
+                yield out
+        finally:
+            self._release(states)
+
+    def _tokenize_and_validate(
+        self, obj: GenerateReqInput
+    ) -> tuple[list[TokenizedGenerateReqInput], list[str | None]]:
+        """Tokenized requests (``n`` copies expanded) and the parent rid of each copy."""
+        singles = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
+        if obj.text is not None:
+            if self.tokenizer is None:
+                raise ValueError("text input needs a tokenizer; with skip_tokenizer_init "
+                                 "pass input_ids")
+            texts = [s.text for s in singles]
+            all_ids = self.tokenizer(texts)["input_ids"] if texts else []
+        else:
+            all_ids = [s.input_ids for s in singles]
+        reqs: list[TokenizedGenerateReqInput] = []
+        parents: list[str | None] = []
+        for single, input_ids in zip(singles, all_ids):
+            req = self._validate_one(single, list(input_ids))
+            n = req.sampling_params.n
+            if n == 1:
+                reqs.append(req)
+                parents.append(None)
+                continue
+            for i in range(n):
+                copy_req = copy.deepcopy(req)
+                copy_req.rid = f"{req.rid}_{i}"
+                copy_req.sampling_params.n = 1
+                reqs.append(copy_req)
+                parents.append(req.rid)
+        rids = [r.rid for r in reqs]
+        if len(set(rids)) != len(rids):
+            raise ValueError("Duplicate rid in the batch")
+        active = [rid for rid in rids if rid in self.rid_to_state]
+        if active:
+            raise ValueError(f"Duplicate request id {active[0]!r}: a request with it is running")
+        return reqs, parents
+
+    def _validate_one(self, obj: GenerateReqInput, input_ids: list[int]) -> TokenizedGenerateReqInput:
+        """One tokenized request; raises ValueError naming the first problem."""
+        prompt_len = len(input_ids)
+        if prompt_len == 0:
+            raise ValueError("The input prompt is empty (0 tokens)")
+        for token_id in input_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise ValueError(f"input_ids must be integers, got {token_id!r}")
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(
+                    f"Token id {token_id} in input_ids is out of range [0, {self.vocab_size})"
+                )
+        if prompt_len >= self.context_len:
+            raise ValueError(
+                f"The input ({prompt_len} tokens) is longer than the model's context length "
+                f"({self.context_len} tokens)"
+            )
+        if prompt_len > self.max_req_input_len:
+            raise ValueError(
+                f"The input ({prompt_len} tokens) is longer than the maximum request input "
+                f"length ({self.max_req_input_len} tokens)"
+            )
+        raw_params = dict(obj.sampling_params or {})
+        # None means "default" for every knob (OpenAI clients send explicit nulls), except that
+        # max_new_tokens=None means: up to the context length.
+        params = {k: v for k, v in raw_params.items() if v is not None}
+        if "max_new_tokens" in raw_params and raw_params["max_new_tokens"] is None:
+            params["max_new_tokens"] = self.context_len - prompt_len
+        sampling_params = SamplingParams.from_dict(params)
+        sampling_params.verify(self.vocab_size)
+        sampling_params.normalize()
+        # Like upstream, a budget past the context is clamped rather than refused.
+        room = self.context_len - prompt_len
+        if sampling_params.max_new_tokens > room:
+            sampling_params.max_new_tokens = room
+            sampling_params.min_new_tokens = min(sampling_params.min_new_tokens, room)
+        if obj.return_logprob:
+            _check_logprob_args(obj.logprob_start_len, obj.top_logprobs_num, prompt_len,
+                                self.vocab_size)
+        return TokenizedGenerateReqInput(
+            rid=obj.rid,
+            input_text=obj.text,
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            return_logprob=bool(obj.return_logprob),
+            logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
+            top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
+            stream=obj.stream,
+            return_entropy=bool(obj.return_entropy),
+        )
+
+    async def _wait_states(
+        self, states: list[ReqState], stream: bool, is_list: bool, request: Any
+    ) -> AsyncIterator[dict | list[dict]]:
+        """Yield the outputs of ``states`` (which share one notify event) as they arrive."""
+        notify = states[0].notify
+        while True:
+            if not await self._wait_event(notify, request):
+                self._abort_unfinished(states)
+                return
+            notify.clear()
+            for state in states:
+                if state.error is not None:
+                    raise RuntimeError(state.error)
+            if stream:
+                for index, state in enumerate(states):
+                    if state.dirty:
+                        state.dirty = False
+                        out = state.to_output()
+                        if is_list:
+                            out["index"] = index
+                        yield out
+            if all(state.finished for state in states):
+                if not stream:
+                    outs = [state.to_output() for state in states]
+                    yield outs if is_list else outs[0]
+                return
+
+    async def _wait_event(self, notify: asyncio.Event, request: Any) -> bool:
+        """Wait for ``notify``; False when ``request``'s client disconnected first."""
+        if request is None:
+            await notify.wait()
+            return True
+        while True:
+            try:
+                await asyncio.wait_for(notify.wait(), _DISCONNECT_POLL_S)
+                return True
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    logger.info("Client disconnected; aborting its request(s)")
+                    return False
+
+    def _release(self, states: list[ReqState]) -> None:
+        """Forget ``states``; the unfinished ones (iterator closed early) are aborted."""
+        self._abort_unfinished(states)
+        for state in states:
+            if self.rid_to_state.get(state.rid) is state:
+                del self.rid_to_state[state.rid]
+
+    def _abort_unfinished(self, states: list[ReqState]) -> None:
+        if self._dead_reason is not None:
+            return
+        for state in states:
+            if not state.finished and self.rid_to_state.get(state.rid) is state:
+                self.abort_request(state.rid)
+
+    # ---- abort and control -------------------------------------------------------------------
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Ask the scheduler to abort ``rid`` (or everything); returns without waiting.
+
+        A rid that names the parent of ``n > 1`` copies aborts every copy. Must be called on
+        the owning loop. Each aborted caller gets one final output with finish type "abort".
+        """
+        self._check_alive()
+        self.start()
+        for req in self._abort_reqs(rid, abort_all):
+            self._send(req)
+
+    async def abort_request_async(self, rid: str = "", abort_all: bool = False) -> int:
+        """Abort like :meth:`abort_request`; returns how many requests the scheduler ended."""
+        self._check_alive()
+        self.start()
+        outs = await asyncio.gather(
+            *(self._control(req) for req in self._abort_reqs(rid, abort_all))
+        )
+        return sum(out.num_aborted for out in outs)
+
+    def _abort_reqs(self, rid: str, abort_all: bool) -> list[AbortReq]:
+        """The AbortReq messages for ``rid``, each remembering which states it targets."""
+        if abort_all:
+            targets = {"": list(self.rid_to_state.values())}
+        elif rid in self.rid_to_state or not rid:
+            targets = {rid: [self.rid_to_state[rid]] if rid else []}
+        else:
+            children = [s for s in self.rid_to_state.values() if s.parent_rid == rid]
+            targets = {s.rid: [s] for s in children} if children else {rid: []}
+        reqs = []
+        for target_rid, target_states in targets.items():
+            req = AbortReq(rid=target_rid, abort_all=abort_all)
+            self._abort_targets[req.req_id] = target_states
+            reqs.append(req)
+        return reqs
+
+    async def flush_cache(self) -> FlushCacheReqOutput:
+        """Ask the scheduler to flush the prefix cache; returns its reply (success or reason)."""
+        return await self._control(FlushCacheReqInput())
+
+    async def get_internal_state(self) -> list[dict]:
+        """The scheduler's internal state, one dict per scheduler (DESIGN §2 keys)."""
+        out = await self._control(GetInternalStateReq())
+        return [out.internal_state]
+
+    async def _control(self, req: Any) -> Any:
+        """Send a control request and await the reply carrying the same ``req_id``."""
+        self._check_alive()
+        self.start()
+        future = self._loop.create_future()
+        self._pending_controls[req.req_id] = future
+        self._send(req)
+        try:
+            return await future
+        finally:
+            self._pending_controls.pop(req.req_id, None)
+
+    # ---- receiving ---------------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        while True:
+            data = await self._recv_socket.recv()
+            try:
+                self._dispatcher(loads(data))
+            except Exception:
+                logger.exception("Failed to handle a message from the scheduler/detokenizer")
+
+    def _handle_batch_str_output(self, msg: BatchStrOutput) -> None:
+        """Accumulate each rid's increment and wake its waiter; unknown rids are ignored."""
+        for i, rid in enumerate(msg.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None or state.finished:
+                continue
+            state.apply(msg, i)
+            if state.finished:
+                del self.rid_to_state[rid]
+            state.notify.set()
+
+    def _handle_control_output(self, msg: Any) -> None:
+        future = self._pending_controls.pop(msg.req_id, None)
+        if future is not None and not future.done():
+            future.set_result(msg)
+
+    def _handle_abort_output(self, msg: AbortReqOutput) -> None:
+        self._handle_control_output(msg)
+        targets = self._abort_targets.pop(msg.req_id, [])
+        if msg.num_aborted == 0 and targets:
+            self._loop.call_later(_ABORT_GRACE_S, self._finish_aborted_locally, targets)
+
+    def _finish_aborted_locally(self, states: list[ReqState]) -> None:
+        """Safety net: end requests the scheduler did not know, so their callers return."""
+        for state in states:
+            if state.finished:
+                continue
+            logger.warning("Abort of %s ended nothing in the scheduler; finishing it", state.rid)
+            state.finish_locally({"type": "abort", "message": "Aborted"})
+            if self.rid_to_state.get(state.rid) is state:
+                del self.rid_to_state[state.rid]
+            state.notify.set()
+
+    def _handle_scheduler_error(self, msg: SchedulerErrorOutput) -> None:
+        self._fail_all(f"scheduler died: {msg.message}")
+
+    # ---- liveness ----------------------------------------------------------------------------
+    async def _watch_loop(self) -> None:
+        while self._dead_reason is None:
+            for proc in self._procs:
+                if not proc.is_alive():
+                    name = getattr(proc, "name", "subprocess")
+                    code = getattr(proc, "exitcode", None)
+                    self._fail_all(f"scheduler died: process {name} exited with code {code}")
+                    break
+            await asyncio.sleep(_WATCH_INTERVAL_S)
+
+    def _fail_all(self, reason: str) -> None:
+        """Make every waiter and every later call raise RuntimeError(reason)."""
+        if self._dead_reason is not None:
+            return
+        logger.error("%s; failing all pending requests", reason)
+        self._dead_reason = reason
+        for state in self.rid_to_state.values():
+            state.error = reason
+            state.notify.set()
+        for future in self._pending_controls.values():
+            if not future.done():
+                future.set_exception(RuntimeError(reason))
+
+    def _check_alive(self) -> None:
+        if self._dead_reason is not None:
+            raise RuntimeError(self._dead_reason)
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _send(self, obj: Any) -> None:
+        """Queue ``obj`` for the scheduler (zmq keeps the order of sends)."""
+        self._send_socket.send(dumps(obj))
+
+    def _text_decoder(self, enabled: bool) -> Any:
+        """A function ids -> texts for logprob entries, or None when texts are not asked."""
+        if not enabled or self.tokenizer is None:
+            return None
+        tokenizer = self.tokenizer
+        return lambda ids: tokenizer.batch_decode([[i] for i in ids])
+
+
+def _check_logprob_args(
+    logprob_start_len: int, top_logprobs_num: int, prompt_len: int, vocab_size: int
+) -> None:
+    if not isinstance(logprob_start_len, int) or logprob_start_len < -1:
+        raise ValueError(f"logprob_start_len must be -1 or >= 0, got {logprob_start_len!r}")
+    if logprob_start_len >= prompt_len:
+        raise ValueError(
+            f"logprob_start_len ({logprob_start_len}) must be smaller than the number of input "
+            f"tokens ({prompt_len})"
+        )
+    if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= vocab_size:
+        raise ValueError(f"top_logprobs_num must be in [0, {vocab_size}], got {top_logprobs_num!r}")

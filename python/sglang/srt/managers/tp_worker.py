@@ -1,0 +1,60 @@
+"""TpModelWorker: batch -> forward -> sample, returning host-side results."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.layers.sampler import Sampler
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang.srt.server_args import ServerArgs
+
+
+class GenerationBatchResult(NamedTuple):
+    """Host-side results of one step, one entry per request of the batch (in batch order)."""
+
+    next_token_ids: list[int]
+    next_token_logprobs: list[float] | None  # chosen token's logprob when any request asks
+    top_logprobs_val: list[list[float]] | None  # [B][K], K = max top_logprobs_num of the batch
+    top_logprobs_idx: list[list[int]] | None
+    input_token_logprobs: list[float] | None  # flat over ForwardBatch.input_logprob_rows
+    input_top_logprobs_val: list[list[float]] | None
+    input_top_logprobs_idx: list[list[int]] | None
+
+
+class TpModelWorker:
+    def __init__(self, server_args: ServerArgs, model_config: ModelConfig) -> None:
+        self.model_runner = ModelRunner(server_args, model_config)
+        self.sampler = Sampler()
+
+    def forward_batch_generation(
+        self,
+        forward_batch: ForwardBatch,
+        sampling_info: SamplingBatchInfo,
+        return_logprob: bool,
+        top_logprobs_nums: list[int] | None,
+    ) -> GenerationBatchResult:
+        """Run the model on ``forward_batch`` and sample one token per request."""
+        logits_output = self.model_runner.forward(forward_batch)
+        with torch.inference_mode():
+            logits = logits_output.next_token_logits
+            sampling_info.apply_logits_processors(logits)
+            out = self.sampler.forward(logits, sampling_info, return_logprob, top_logprobs_nums)
+            sampling_info.cumulate_output_tokens(out.next_token_ids)
+        return GenerationBatchResult(
+            next_token_ids=out.next_token_ids.tolist(),
+            next_token_logprobs=_to_list(out.logprobs),
+            top_logprobs_val=_to_list(out.top_logprobs_val),
+            top_logprobs_idx=_to_list(out.top_logprobs_idx),
+            input_token_logprobs=_to_list(logits_output.input_token_logprobs),
+            input_top_logprobs_val=_to_list(logits_output.input_top_logprobs_val),
+            input_top_logprobs_idx=_to_list(logits_output.input_top_logprobs_idx),
+        )
+
+
+def _to_list(t: torch.Tensor | None) -> list | None:
+    return None if t is None else t.tolist()

@@ -1,0 +1,95 @@
+"""Preallocated pools: the request -> KV-slot table and the per-layer K/V tensors.
+
+Slot 0 of the KV pool is a dummy that is never handed out: padded index tensors point at it, so
+gathers over padding read finite zeros instead of garbage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """``req_to_token[row, i]`` is the KV slot of token i of the request living in ``row``.
+
+    Owner of the rows: the scheduler allocates one row per admitted request and frees it when the
+    request leaves the running set (finish, abort, retract).
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: str) -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = device
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self._free_rows: list[int] = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self, num_rows: int) -> list[int] | None:
+        """Take ``num_rows`` free rows, or return None (and take nothing) if too few are free."""
+        if num_rows > len(self._free_rows):
+            return None
+        rows, self._free_rows = self._free_rows[:num_rows], self._free_rows[num_rows:]
+        return rows
+
+    def free(self, rows: int | list[int]) -> None:
+        """Give rows back. Their contents are stale from now on."""
+        self._free_rows.extend([rows] if isinstance(rows, int) else rows)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Record ``slots`` as the KV slots of tokens ``start .. start+len(slots)-1`` of ``row``."""
+        self.req_to_token[row, start : start + slots.numel()] = slots
+
+    def clear(self) -> None:
+        self._free_rows = list(range(self.size))
+
+
+class MHATokenToKVPool:
+    """K and V tensors of every layer, ``[num_slots, num_kv_heads, head_dim]`` each.
+
+    ``num_slots == size + page_size``: the first page (slot 0 included) is reserved as padding.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        head_num: int,
+        head_dim: int,
+        layer_num: int,
+        device: str,
+    ) -> None:
+        self.size = size
+        self.page_size = page_size
+        self.dtype = dtype
+        self.head_num = head_num
+        self.head_dim = head_dim
+        self.layer_num = layer_num
+        self.device = device
+        shape = (size + page_size, head_num, head_dim)
+        # torch.zeros on CPU maps lazily-zeroed pages, so an unused pool costs no resident memory.
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def set_kv_buffer(
+        self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
+    ) -> None:
+        """Write ``cache_k/v`` (``[T, head_num, head_dim]``) at slots ``loc`` (``[T]``)."""
+        self.k_buffer[layer_id][loc] = cache_k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = cache_v.to(self.dtype)
+
+    @staticmethod
+    def bytes_per_token(dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int) -> int:
+        """Memory one token's K and V take over all layers (used to size the pool)."""
+        return 2 * head_num * head_dim * layer_num * torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,97 @@
+"""ModelRunner: owns the weights, the KV pools and the attention backend; runs forward passes.
+
+It mutates nothing of the scheduler's: it reads a ForwardBatch, writes K/V into the pool slots
+the batch names, and returns logits.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.layers.attention import get_attention_backend_class
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_loader import get_model
+from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CPU_KV_FRACTION = 0.2
+_DEFAULT_CUDA_MEM_FRACTION = 0.85
+_MAX_DEFAULT_RUNNING_REQUESTS = 256
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs, model_config: ModelConfig) -> None:
+        self.server_args = server_args
+        self.model_config = model_config
+        self.device = server_args.device
+        self.dtype = model_config.dtype
+        self.page_size = server_args.page_size
+        torch.manual_seed(server_args.random_seed)
+
+        self.model = get_model(model_config, self.device)
+        self.max_total_num_tokens = self._kv_pool_size()
+        self.max_running_requests = server_args.max_running_requests or min(
+            _MAX_DEFAULT_RUNNING_REQUESTS, max(1, self.max_total_num_tokens // 8)
+        )
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests + 1, model_config.context_len + 8, self.device
+        )
+        self.token_to_kv_pool = MHATokenToKVPool(
+            self.max_total_num_tokens,
+            self.page_size,
+            self.dtype,
+            model_config.num_key_value_heads,
+            model_config.head_dim,
+            model_config.num_hidden_layers,
+            self.device,
+        )
+        self.allocator = TokenToKVPoolAllocator(
+            self.max_total_num_tokens, self.page_size, self.device
+        )
+        self.attn_backend = get_attention_backend_class(server_args.attention_backend)()
+        logger.info(
+            "KV pool: %d tokens (%.1f MiB), max running requests %d",
+            self.max_total_num_tokens,
+            self.max_total_num_tokens * self._kv_bytes_per_token() / 2**20,
+            self.max_running_requests,
+        )
+
+    def _kv_bytes_per_token(self) -> int:
+        cfg = self.model_config
+        return MHATokenToKVPool.bytes_per_token(
+            self.dtype, cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+        )
+
+    def _kv_pool_size(self) -> int:
+        """Tokens in the KV pool: --max-total-tokens, else a fraction of free memory."""
+        size = self.server_args.max_total_tokens
+        if size is None:
+            fraction = self.server_args.mem_fraction_static
+            if self.device == "cuda":
+                free, total = torch.cuda.mem_get_info()
+                budget = free - total * (1 - (fraction or _DEFAULT_CUDA_MEM_FRACTION))
+            else:
+                import psutil
+
+                budget = psutil.virtual_memory().available * (fraction or _DEFAULT_CPU_KV_FRACTION)
+            size = int(budget // self._kv_bytes_per_token())
+            if size < 16:
+                raise RuntimeError(
+                    "Not enough memory for the KV cache; lower the model size or set "
+                    "--max-total-tokens / --mem-fraction-static"
+                )
+        return size // self.page_size * self.page_size
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        forward_batch.token_to_kv_pool = self.token_to_kv_pool
+        forward_batch.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(forward_batch)
+        return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)

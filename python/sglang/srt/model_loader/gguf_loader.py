@@ -1,0 +1,280 @@
+"""Read llama-architecture GGUF checkpoints as HF-named float tensors and an HF config.
+
+llama.cpp's converter changes three things that we undo here:
+
+* names: ``blk.N.attn_q.weight`` instead of ``model.layers.N.self_attn.q_proj.weight``;
+* shape order: GGUF lists dimensions fastest-first (``[cols, rows]``), the reverse of torch;
+* Q/K rows: for its rotary kernel it reorders the rows of each head from HF's "halves" layout
+  ``[x0..x(d/2-1) | y0..y(d/2-1)]`` to interleaved pairs ``[x0 y0 x1 y1 ...]``.
+
+Quantized tensors (Q4_1, Q8_0, ...) are dequantized with ``gguf.quants.dequantize`` to float32.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from transformers import GenerationConfig, LlamaConfig
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+
+# Tokenizer arrays are large; the config never needs their contents.
+_SKIPPED_METADATA = frozenset(
+    {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+     "tokenizer.ggml.scores"}
+)
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+# llama3's rope_freqs holds per-frequency scale factors that HF derives from the config.
+_IGNORED_TENSORS = frozenset({"rope_freqs.weight"})
+
+
+def read_gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """The scalar and small-array metadata of a GGUF file (tokenizer vocab arrays excluded)."""
+    metadata: dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        if name in _SKIPPED_METADATA:
+            continue
+        metadata[name] = field.contents()
+    return metadata
+
+
+def gguf_tensor_name_to_hf(name: str) -> str | None:
+    """Map a llama-arch GGUF tensor name to its HF name; None for tensors that HF derives.
+
+    Raises ``ValueError`` for a name this mapping does not know (better than silently
+    dropping a weight).
+    """
+    if name in _IGNORED_TENSORS:
+        return None
+    parts = name.split(".")
+    if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise ValueError(f"unknown GGUF tensor {name!r} for the llama architecture")
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation: per head, interleaved pairs -> HF halves.
+
+    ``weight`` is ``[num_heads * head_dim, ...]`` in GGUF row order; within a head, GGUF row
+    ``2*j + i`` holds HF row ``i*head_dim/2 + j`` (i in {0, 1}). Returns a new tensor.
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    rest = weight.shape[1:]
+    return weight.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(rows, *rest)
+
+
+def permute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """The permutation llama.cpp's converter applies to HF Q/K rows (inverse of the above)."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    rest = weight.shape[1:]
+    return weight.reshape(num_heads, 2, half, *rest).transpose(1, 2).reshape(rows, *rest)
+
+
+def _open(path: str) -> GGUFReader:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file {path!r} does not exist")
+    reader = GGUFReader(path)
+    arch_field = reader.fields.get("general.architecture")
+    arch = arch_field.contents() if arch_field is not None else None
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
+        )
+    return reader
+
+
+def _torch_shape(tensor: Any) -> tuple[int, ...]:
+    # GGUF stores dimensions fastest-varying first; torch wants the slowest first.
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
+def _f32_to_float(value: float) -> float:
+    # GGUF stores float32: 1e-5 reads back as 9.99999974e-06. The shortest decimal that rounds
+    # to the same float32 is what the original config said.
+    return float(str(np.float32(value)))
+
+
+def _config_from_reader(reader: GGUFReader) -> LlamaConfig:
+    meta = read_gguf_metadata(reader)
+    arch = meta["general.architecture"]
+    tensors = {t.name: t for t in reader.tensors}
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    hidden_size = int(key("embedding_length"))
+    num_heads = int(key("attention.head_count"))
+    vocab_size = key("vocab_size")
+    if vocab_size is None:
+        vocab_size = _torch_shape(tensors["token_embd.weight"])[0]
+    rope_parameters: dict[str, Any] = {
+        "rope_type": "default", "rope_theta": _f32_to_float(key("rope.freq_base", 10000.0)),
+    }
+    scaling_type = key("rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        rope_parameters.update(rope_type=scaling_type, factor=float(key("rope.scaling.factor")))
+        if key("rope.scaling.original_context_length") is not None:
+            rope_parameters["original_max_position_embeddings"] = int(
+                key("rope.scaling.original_context_length")
+            )
+    if "rope_freqs.weight" in tensors:
+        logger.warning("GGUF has rope_freqs (llama3 rope scaling); it is ignored")
+    config = LlamaConfig(
+        vocab_size=int(vocab_size),
+        hidden_size=hidden_size,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(key("attention.head_count_kv", num_heads)),
+        head_dim=int(key("attention.key_length", hidden_size // num_heads)),
+        max_position_embeddings=int(key("context_length", 2048)),
+        rms_norm_eps=_f32_to_float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_parameters=rope_parameters,
+        # llama.cpp drops output.weight when the LM head shares the embedding matrix.
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        architectures=["LlamaForCausalLM"],
+    )
+    config.dtype = torch.float32  # dequantized weights are float32
+    return config
+
+
+def gguf_to_hf_config(path: str) -> LlamaConfig:
+    """Build the HF ``LlamaConfig`` that matches a llama-arch GGUF file's metadata.
+
+    Raises ``FileNotFoundError`` for a missing file, ``ValueError`` for another architecture.
+    """
+    return _config_from_reader(_open(path))
+
+
+def _iterate_reader(reader: GGUFReader, config: LlamaConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    heads_by_kind = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    for tensor in reader.tensors:
+        hf_name = gguf_tensor_name_to_hf(tensor.name)
+        if hf_name is None:
+            continue
+        array = dequantize(tensor.data, tensor.tensor_type).reshape(_torch_shape(tensor))
+        if not array.flags.writeable:  # memory-mapped F32/F16 data: torch wants a writable copy
+            array = np.array(array)
+        weight = torch.from_numpy(array).to(torch.float32)
+        num_heads = heads_by_kind.get(tensor.name.split(".")[-2])
+        if num_heads is not None:
+            weight = unpermute_rotary_rows(weight, num_heads)
+        yield hf_name, weight
+
+
+def count_gguf_tensors(path: str) -> int:
+    """How many tensors ``iterate_gguf_weights(path)`` yields (for progress bars)."""
+    reader = _open(path)
+    return sum(1 for t in reader.tensors if t.name not in _IGNORED_TENSORS)
+
+
+def iterate_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every weight of a llama-arch GGUF file.
+
+    Tensors are dequantized one at a time (peak extra memory: one tensor), in HF shape and
+    HF Q/K row order. Tied checkpoints yield no ``lm_head.weight``.
+    """
+    reader = _open(path)
+    yield from _iterate_reader(reader, _config_from_reader(reader))
+
+
+def _save_tokenizer(
+    gguf_path: str, out_dir: str, chat_template: str | None, model_max_length: int
+) -> None:
+    # Imported here: hf_transformers_utils pulls in the tokenizer stack, not needed for weights.
+    from sglang.srt.hf_transformers_utils import get_tokenizer
+
+    tokenizer = get_tokenizer(gguf_path)
+    tokenizer.padding_side = "right"  # the saved file keeps transformers' default
+    tokenizer.model_max_length = model_max_length
+    tokenizer.save_pretrained(out_dir)
+    config_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(config_path, encoding="utf-8") as f:
+        tokenizer_config = json.load(f)
+    if chat_template is not None:
+        # transformers 5 writes the template to chat_template.jinja; readers that only look at
+        # tokenizer_config.json (older transformers, other engines) need it there too.
+        tokenizer_config["chat_template"] = chat_template
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(tokenizer_config, f, indent=2, ensure_ascii=False)
+
+
+def _move_files(src_dir: str, dst_dir: str) -> None:
+    """Move every file of ``src_dir`` into ``dst_dir``, config.json last, readable by all
+    (some writers create 0600 files)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in sorted(os.listdir(src_dir), key=lambda n: n == "config.json"):
+        dst = os.path.join(dst_dir, name)
+        os.replace(os.path.join(src_dir, name), dst)
+        os.chmod(dst, 0o666 & ~umask)
+
+
+def save_gguf_as_hf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float32) -> None:
+    """Convert a llama-arch GGUF file into an HF model directory at ``out_dir``.
+
+    Writes config.json, generation_config.json, model.safetensors (all weights in ``dtype``;
+    the whole state dict is held in memory) and the tokenizer files with the chat template.
+    Files are first written to a temporary directory beside ``out_dir`` and moved in with
+    config.json last, so a crash never leaves a directory that looks complete.
+    """
+    from safetensors.torch import save_file
+
+    reader = _open(gguf_path)
+    config = _config_from_reader(reader)
+    config.dtype = dtype
+    state_dict = {
+        name: weight.to(dtype).contiguous() for name, weight in _iterate_reader(reader, config)
+    }
+    chat_template = reader.fields.get("tokenizer.chat_template")
+    out_dir = os.path.abspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(out_dir)) as tmp_dir:
+        save_file(state_dict, os.path.join(tmp_dir, "model.safetensors"), {"format": "pt"})
+        del state_dict
+        GenerationConfig(
+            bos_token_id=config.bos_token_id,
+            eos_token_id=config.eos_token_id,
+            pad_token_id=config.pad_token_id,
+        ).save_pretrained(tmp_dir)
+        _save_tokenizer(
+            gguf_path, tmp_dir, chat_template.contents() if chat_template else None,
+            config.max_position_embeddings,
+        )
+        config.save_pretrained(tmp_dir)
+        _move_files(tmp_dir, out_dir)
+    logger.info("converted %s -> %s (%d weights)", gguf_path, out_dir, len(reader.tensors))

@@ -99,6 +99,22 @@ def test_extend_mixed_batch_order_and_tensor_last_locs() -> None:
     assert len(set(s) | set(base.tolist())) == len(s) + 3
 
 
+def test_extend_skips_requests_with_nothing_new() -> None:
+    alloc = make(64, 4)
+    held = alloc.alloc_extend([0], [6], [-1])
+    assert held is not None
+    last = int(held[-1])
+    # Requests 0 and 2 have nothing new; request 2 even ends mid-page.
+    slots = alloc.alloc_extend([6, 0, 6, 0], [6, 2, 6, 5], [last, -1, last, -1])
+    assert slots is not None and slots.numel() == 2 + 5
+    s = slots.tolist()
+    assert [x % 4 for x in s] == [0, 1, 0, 1, 2, 3, 0]
+    assert s[1] == s[0] + 1 and s[3:6] == [s[2] + 1, s[2] + 2, s[2] + 3]
+    assert not {x // 4 for x in s} & {int(h) // 4 for h in held}
+    empty = alloc.alloc_extend([6], [6], [last])
+    assert empty is not None and empty.numel() == 0
+
+
 def test_decode_crosses_page_boundary() -> None:
     alloc = make(16, 4)
     slots = alloc.alloc_extend([0], [4], [-1])

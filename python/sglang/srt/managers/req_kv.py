@@ -67,14 +67,13 @@ class ReqKV:
         self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]
     ) -> torch.Tensor | None:
         """Slots for tokens ``prefix_lens[i]..seq_lens[i]-1`` of each request (evicting first)."""
-        num_new = sum(s - p for s, p in zip(seq_lens, prefix_lens))
-        if not self.ensure_free(num_new + self.page_size * len(seq_lens)):
-            self.ensure_free(num_new)  # the page-rounding margin may not be needed
+        pages = self.allocator.num_pages_needed_extend(prefix_lens, seq_lens)
+        self.ensure_free(pages * self.page_size)
         return self.allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
 
     def alloc_decode(self, seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
         """One slot per request for its token at position ``seq_lens[i] - 1``."""
-        self.ensure_free(len(seq_lens) * self.page_size)
+        self.ensure_free(self.allocator.num_pages_needed_decode(seq_lens) * self.page_size)
         return self.allocator.alloc_decode(seq_lens, last_locs)
 
     def release(self, req: Req) -> None:

@@ -53,7 +53,10 @@ class ModelRunner:
             self.device,
         )
         self.allocator = TokenToKVPoolAllocator(
-            self.max_total_num_tokens, self.page_size, self.device
+            self.max_total_num_tokens,
+            self.page_size,
+            self.device,
+            debug=server_args.log_level == "debug",
         )
         self.attn_backend = get_attention_backend_class(server_args.attention_backend)()
         logger.info(

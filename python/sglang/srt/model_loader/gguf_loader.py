@@ -12,6 +12,7 @@ Quantized tensors (Q4_1, Q8_0, ...) are dequantized with ``gguf.quants.dequantiz
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
+from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig
 
 logger = logging.getLogger(__name__)
@@ -101,8 +103,16 @@ def permute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _open(path: str) -> GGUFReader:
+    """A reader for ``path``, shared while the file is unchanged (parsing the metadata of a
+    real model takes seconds; ModelConfig and the weight loader both need it)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist")
+    stat = os.stat(path)
+    return _open_cached(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFReader:
     reader = GGUFReader(path)
     arch_field = reader.fields.get("general.architecture")
     arch = arch_field.contents() if arch_field is not None else None
@@ -196,20 +206,17 @@ def _iterate_reader(reader: GGUFReader, config: LlamaConfig) -> Iterator[tuple[s
         yield hf_name, weight
 
 
-def count_gguf_tensors(path: str) -> int:
-    """How many tensors ``iterate_gguf_weights(path)`` yields (for progress bars)."""
-    reader = _open(path)
-    return sum(1 for t in reader.tensors if t.name not in _IGNORED_TENSORS)
-
-
-def iterate_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_gguf_weights(path: str, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, float32 tensor)`` for every weight of a llama-arch GGUF file.
 
     Tensors are dequantized one at a time (peak extra memory: one tensor), in HF shape and
-    HF Q/K row order. Tied checkpoints yield no ``lm_head.weight``.
+    HF Q/K row order. Tied checkpoints yield no ``lm_head.weight``. ``progress`` shows a tqdm
+    bar over the tensors.
     """
     reader = _open(path)
-    yield from _iterate_reader(reader, _config_from_reader(reader))
+    weights = _iterate_reader(reader, _config_from_reader(reader))
+    total = sum(1 for t in reader.tensors if t.name not in _IGNORED_TENSORS)
+    yield from tqdm(weights, total=total, desc="Loading GGUF", unit="tensor", disable=not progress)
 
 
 def _save_tokenizer(

@@ -112,12 +112,9 @@ def iterate_gguf(
     path: str, dtype: torch.dtype | None = None, progress: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the HF-named, dequantized weights of a GGUF file, cast to ``dtype``."""
-    from sglang.srt.model_loader.gguf_loader import count_gguf_tensors, iterate_gguf_weights
+    from sglang.srt.model_loader.gguf_loader import iterate_gguf_weights
 
-    weights = iterate_gguf_weights(path)
-    total = count_gguf_tensors(path)
-    for name, tensor in tqdm(weights, total=total, desc="Loading GGUF", unit="tensor",
-                             disable=not progress):
+    for name, tensor in iterate_gguf_weights(path, progress):
         yield name, _cast(tensor, dtype)
 
 

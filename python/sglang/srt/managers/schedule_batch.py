@@ -309,12 +309,11 @@ class ScheduleBatch:
             token_to_kv_pool=None,  # set by the model runner
         )
 
-    def decode_tokens_needed(self) -> int:
-        """Free slots the next decode step needs (pages only for requests crossing a page)."""
-        page = self.kv.page_size
-        if page == 1:
-            return len(self.reqs)
-        return sum(page for r in self.reqs if (r.seq_len - 1) % page == 0)
+    def decode_tokens_needed(self, reqs: list[Req] | None = None) -> int:
+        """Free slots the next decode step of ``reqs`` (default: all) needs."""
+        reqs = self.reqs if reqs is None else reqs
+        pages = self.kv.allocator.num_pages_needed_decode([r.seq_len for r in reqs])
+        return pages * self.kv.page_size
 
     # ---- composition ------------------------------------------------------------------------
     def filter(self, keep: list[Req]) -> None:
@@ -343,7 +342,9 @@ class ScheduleBatch:
                 break
             self._retract(self.reqs[i])
             retracted.add(i)
-            needed = self._decode_need_without(retracted)
+            needed = self.decode_tokens_needed(
+                [r for j, r in enumerate(self.reqs) if j not in retracted]
+            )
         out = [r for i, r in enumerate(self.reqs) if i in retracted]
         self.filter([r for i, r in enumerate(self.reqs) if i not in retracted])
         return out
@@ -359,14 +360,6 @@ class ScheduleBatch:
     def _retract(self, req: Req) -> None:
         self.kv.release(req)
         req.on_retract()
-
-    def _decode_need_without(self, retracted: set[int]) -> int:
-        page = self.kv.page_size
-        return sum(
-            page if page > 1 and (r.seq_len - 1) % page == 0 else (1 if page == 1 else 0)
-            for i, r in enumerate(self.reqs)
-            if i not in retracted
-        )
 
     # ---- helpers ----------------------------------------------------------------------------
     def _pool_indices(self) -> torch.Tensor:

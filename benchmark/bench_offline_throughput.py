@@ -1,0 +1,127 @@
+"""Offline throughput: sglang.Engine vs transformers' batched generate, same model and run.
+
+A mixed workload (prompt and output lengths drawn uniformly, ``ignore_eos``, greedy) runs
+through both; the script prints output tokens/s for each and the ratio, then batch-1 decode
+tokens/s for each. Only the tokens each request asked for are counted (transformers decodes a
+batch until its longest request is done; the surplus is not counted).
+
+    python benchmark/bench_offline_throughput.py --model-path models/SmolLM2-135M-Instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(args.seed)
+    low = min(1000, vocab_size // 4)  # skip the special tokens at the start of the vocabulary
+    return [
+        (
+            [rng.randrange(low, vocab_size) for _ in range(rng.randint(args.min_input, args.max_input))],
+            rng.randint(args.min_output, args.max_output),
+        )
+        for _ in range(args.num_prompts)
+    ]
+
+
+def run_engine(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> tuple[float, float]:
+    """(throughput tok/s on the workload, batch-1 decode tok/s)."""
+    import sglang as sgl
+
+    engine = sgl.Engine(model_path=args.model_path, dtype=args.dtype, random_seed=0,
+                        log_level="warning", enable_deterministic_inference=args.deterministic)
+    try:
+        params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
+        engine.generate(input_ids=[work[0][0]], sampling_params=params)  # warm-up
+        start = time.perf_counter()
+        outs = engine.generate(
+            input_ids=[ids for ids, _ in work],
+            sampling_params=[
+                {"temperature": 0, "ignore_eos": True, "max_new_tokens": n} for _, n in work
+            ],
+        )
+        elapsed = time.perf_counter() - start
+        num_out = sum(o["meta_info"]["completion_tokens"] for o in outs)
+        throughput = num_out / elapsed
+        prompt, n = work[0][0][:32], args.batch1_tokens
+        engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": n})
+        start = time.perf_counter()
+        engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": n})
+        batch1 = n / (time.perf_counter() - start)
+    finally:
+        engine.shutdown()
+    return throughput, batch1
+
+
+def run_transformers(
+    args: argparse.Namespace, work: list[tuple[list[int], int]]
+) -> tuple[float, float]:
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype).eval()
+    pad = model.config.pad_token_id or 0
+    num_out = 0
+    start = time.perf_counter()
+    for b in range(0, len(work), args.hf_batch_size):
+        chunk = work[b : b + args.hf_batch_size]
+        width = max(len(ids) for ids, _ in chunk)
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids, _ in chunk])
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in chunk])
+        with torch.inference_mode():
+            model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
+                           max_new_tokens=max(n for _, n in chunk), min_new_tokens=None,
+                           pad_token_id=pad, eos_token_id=None)
+        num_out += sum(n for _, n in chunk)
+    throughput = num_out / (time.perf_counter() - start)
+    prompt = torch.tensor([work[0][0][:32]])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=prompt, do_sample=False, max_new_tokens=args.batch1_tokens,
+                       eos_token_id=None, pad_token_id=pad)
+    batch1 = args.batch1_tokens / (time.perf_counter() - start)
+    return throughput, batch1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2, help="torch threads for transformers")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--min-input", type=int, default=20)
+    parser.add_argument("--max-input", type=int, default=400)
+    parser.add_argument("--min-output", type=int, default=32)
+    parser.add_argument("--max-output", type=int, default=256)
+    parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--batch1-tokens", type=int, default=128)
+    parser.add_argument("--deterministic", action="store_true",
+                        help="run the engine with --enable-deterministic-inference")
+    parser.add_argument("--skip-hf", action="store_true", help="only run the engine")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoConfig
+
+    vocab_size = AutoConfig.from_pretrained(args.model_path).vocab_size
+    work = make_workload(args, vocab_size)
+    print(f"workload: {len(work)} prompts, {sum(len(i) for i, _ in work)} prompt tokens, "
+          f"{sum(n for _, n in work)} output tokens, dtype {args.dtype}")
+    eng_tput, eng_b1 = run_engine(args, work)
+    print(f"sglang.Engine     : {eng_tput:8.1f} out tok/s   batch-1 decode {eng_b1:6.1f} tok/s")
+    if args.skip_hf:
+        return
+    hf_tput, hf_b1 = run_transformers(args, work)
+    print(f"transformers      : {hf_tput:8.1f} out tok/s   batch-1 decode {hf_b1:6.1f} tok/s")
+    print(f"ratio (engine/hf) : throughput {eng_tput / hf_tput:.2f}x   "
+          f"batch-1 decode {eng_b1 / hf_b1:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

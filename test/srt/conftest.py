@@ -1,0 +1,109 @@
+"""Shared fixtures: tiny random-weight checkpoints (with a real tokenizer) written offline.
+
+``tiny_model_dir(arch)`` returns a directory that both transformers and sglang load: a random
+Llama / Qwen2 / Qwen3 saved with ``save_pretrained`` next to a small byte-level BPE tokenizer
+trained here on a fixed corpus (no hub access).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SMOLLM2_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
+
+TINY_VOCAB = 512
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Reinforcement learning trains a policy from rewards; rollouts are paused to sync weights.",
+    "Once upon a time there was a tiny language model that liked to count: 1 2 3 4 5 6 7 8 9 10.",
+    "def add(a, b):\n    return a + b\n# Python code, JSON {\"key\": [1, 2, 3]} and ünïcödé 你好.",
+] * 20
+
+
+def _write_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+def write_tiny_model(path: Path, arch: str = "llama", **overrides: object) -> Path:
+    """Save a tiny random ``arch`` model + tokenizer at ``path``; returns ``path``."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    path.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer(path)
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    common.update(overrides)
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    if arch == "qwen3":
+        common.setdefault("head_dim", 16)
+    config = config_cls(**common)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: ``tiny_model_dir("qwen3")`` -> a cached directory for that architecture."""
+    cache: dict[tuple, Path] = {}
+
+    def make(arch: str = "llama", **overrides: object) -> Path:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = write_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct, prepared by `make model` (skip when it is absent)."""
+    if not (SMOLLM2_DIR / "config.json").exists():
+        pytest.skip("SmolLM2 not prepared; run `make model`")
+    return SMOLLM2_DIR

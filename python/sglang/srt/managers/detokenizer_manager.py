@@ -20,10 +20,10 @@ string that the final text trims.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import signal
-import sys
+import os
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,15 +188,22 @@ def _emit_finished(state: DecodeState, reason: dict[str, Any], no_stop_trim: boo
     return text[state.sent_len:]
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies, so no orphan outlives it."""
-    if not sys.platform.startswith("linux"):
-        return
-    pr_set_pdeathsig = 1
-    try:
-        ctypes.CDLL("libc.so.6").prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except OSError:
-        logger.debug("prctl unavailable; the detokenizer will not follow its parent's death")
+def exit_when_parent_dies(poll_s: float = 1.0) -> None:
+    """Start a daemon thread that ends this process once its parent process is gone.
+
+    Polling ``getppid`` (rather than prctl's parent-death signal, which fires when the parent
+    *thread* exits) keeps children alive under an Engine built in a short-lived thread, and
+    still leaves no orphan when the launcher is SIGKILLed.
+    """
+    parent_pid = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        logger.warning("Parent process %d is gone; exiting", parent_pid)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs) -> None:
@@ -207,14 +214,16 @@ def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs) -> Non
     the process with a non-zero code, which the TokenizerManager's liveness check reports.
     """
     configure_logger(server_args.log_level, prefix=" Detokenizer")
-    _die_with_parent()
-    from sglang.srt.managers.tokenizer_manager import get_tokenizer
+    exit_when_parent_dies()
+    from sglang.srt.hf_transformers_utils import get_tokenizer
 
     context = zmq.Context(2)
     recv_socket = get_zmq_socket(context, zmq.PULL, port_args.detokenizer_ipc_name, bind=True)
     send_socket = get_zmq_socket(context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False)
     try:
-        tokenizer = None if server_args.skip_tokenizer_init else get_tokenizer(server_args)
+        tokenizer = None
+        if not server_args.skip_tokenizer_init:
+            tokenizer = get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
         DetokenizerManager(tokenizer).event_loop(recv_socket, send_socket)
     except Exception:
         logger.exception("Detokenizer failed")

@@ -15,14 +15,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import os
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
 
+from sglang.srt.hf_transformers_utils import get_tokenizer
 from sglang.srt.managers.io_struct import (
     AbortReq,
     AbortReqOutput,
@@ -35,6 +34,7 @@ from sglang.srt.managers.io_struct import (
     SchedulerErrorOutput,
     TokenizedGenerateReqInput,
 )
+from sglang.srt.managers.tokenizer_req_state import ReqState
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils import TypeBasedDispatcher, dumps, get_zmq_socket, loads
@@ -51,18 +51,6 @@ _WATCH_INTERVAL_S = 0.5
 # After an abort that the scheduler says ended nothing, a still-unfinished targeted request is
 # finished locally after this grace period (its final output may be in flight meanwhile).
 _ABORT_GRACE_S = 1.0
-
-
-def get_tokenizer(server_args: ServerArgs) -> Any:
-    """Load the Hugging Face tokenizer of ``server_args.tokenizer_path`` (a dir or a .gguf)."""
-    from transformers import AutoTokenizer
-
-    path = server_args.tokenizer_path
-    kwargs: dict[str, Any] = {"trust_remote_code": server_args.trust_remote_code}
-    if path.endswith(".gguf") and os.path.isfile(path):
-        kwargs["gguf_file"] = os.path.basename(path)
-        path = os.path.dirname(path) or "."
-    return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
 class TokenizerManager:
@@ -83,7 +71,11 @@ class TokenizerManager:
         self.context_len: int = scheduler_info["context_length"]
         self.vocab_size: int = scheduler_info["vocab_size"]
         self.max_req_input_len: int = scheduler_info["max_req_input_len"]
-        self.tokenizer = None if server_args.skip_tokenizer_init else get_tokenizer(server_args)
+        self.tokenizer = (
+            None
+            if server_args.skip_tokenizer_init
+            else get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
+        )
         self.rid_to_state: dict[str, ReqState] = {}
         self._pending_controls: dict[str, asyncio.Future] = {}
         self._abort_targets: dict[str, list[ReqState]] = {}
@@ -159,8 +151,9 @@ class TokenizerManager:
         reqs, parents = self._tokenize_and_validate(obj)
         is_list = not obj.is_single or len(reqs) > 1
         notify = asyncio.Event()
+        decode_texts = self._text_decoder(obj.return_text_in_logprobs)
         states = [
-            ReqState(req, notify, parent, self._text_decoder(obj.return_text_in_logprobs))
+            ReqState(req, notify, parent, decode_texts, self.tokenizer is not None)
             for req, parent in zip(reqs, parents)
         ]
         for state in states:
@@ -209,7 +202,9 @@ class TokenizerManager:
             raise ValueError(f"Duplicate request id {active[0]!r}: a request with it is running")
         return reqs, parents
 
-    def _validate_one(self, obj: GenerateReqInput, input_ids: list[int]) -> TokenizedGenerateReqInput:
+    def _validate_one(
+        self, obj: GenerateReqInput, input_ids: list[int]
+    ) -> TokenizedGenerateReqInput:
         """One tokenized request; raises ValueError naming the first problem."""
         prompt_len = len(input_ids)
         if prompt_len == 0:
@@ -267,8 +262,7 @@ class TokenizerManager:
         notify = states[0].notify
         while True:
             if not await self._wait_event(notify, request):
-                self._abort_unfinished(states)
-                return
+                return  # the caller's finally (_release) aborts what is unfinished
             notify.clear()
             for state in states:
                 if state.error is not None:
@@ -321,8 +315,10 @@ class TokenizerManager:
 
         A rid that names the parent of ``n > 1`` copies aborts every copy. Must be called on
         the owning loop. Each aborted caller gets one final output with finish type "abort".
+        After the scheduler died this does nothing (every caller has already failed).
         """
-        self._check_alive()
+        if self._dead_reason is not None:
+            return
         self.start()
         for req in self._abort_reqs(rid, abort_all):
             self._send(req)
@@ -433,7 +429,11 @@ class TokenizerManager:
         """Make every waiter and every later call raise RuntimeError(reason)."""
         if self._dead_reason is not None:
             return
-        logger.error("%s; failing all pending requests", reason)
+        num_pending = len(self.rid_to_state) + len(self._pending_controls)
+        if reason.startswith("scheduler died"):
+            logger.error("%s; failing %d pending call(s)", reason, num_pending)
+        elif num_pending:
+            logger.warning("%s; failing %d pending call(s)", reason, num_pending)
         self._dead_reason = reason
         for state in self.rid_to_state.values():
             state.error = reason
@@ -451,7 +451,7 @@ class TokenizerManager:
         """Queue ``obj`` for the scheduler (zmq keeps the order of sends)."""
         self._send_socket.send(dumps(obj))
 
-    def _text_decoder(self, enabled: bool) -> Any:
+    def _text_decoder(self, enabled: bool) -> Callable[[list[int]], list[str]] | None:
         """A function ids -> texts for logprob entries, or None when texts are not asked."""
         if not enabled or self.tokenizer is None:
             return None

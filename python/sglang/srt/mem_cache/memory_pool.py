@@ -69,9 +69,13 @@ class MHATokenToKVPool:
         self.layer_num = layer_num
         self.device = device
         shape = (size + page_size, head_num, head_dim)
-        # torch.zeros on CPU maps lazily-zeroed pages, so an unused pool costs no resident memory.
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+        # torch.empty leaves the pages untouched, so the unused part of a large pool costs no
+        # resident memory. Only the reserved first page is ever read before being written (it
+        # pads gathers), so only it is zeroed.
+        self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+        self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+        for buf in self.k_buffer + self.v_buffer:
+            buf[:page_size].zero_()
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]

@@ -1,0 +1,361 @@
+"""Engine: the in-process API, ``sglang.Engine(model_path=...)``.
+
+Processes (DESIGN §3)::
+
+    caller threads ──► Engine ──► private asyncio loop thread: TokenizerManager
+                                     │ ZMQ                        ▲ ZMQ
+                                     ▼                            │
+                                  scheduler process ──► detokenizer process
+
+Sync methods submit coroutines to the private loop and block on the result, so a ``generate``
+blocking one thread never blocks another thread's calls. Async methods bridge from the
+caller's loop into the private loop with ``asyncio.wrap_future``, so many ``async_generate``
+tasks run side by side in one user loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import dataclasses
+import functools
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import threading
+import weakref
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+from sglang.srt.managers.detokenizer_manager import (
+    exit_when_parent_dies,
+    run_detokenizer_process,
+)
+from sglang.srt.managers.io_struct import FlushCacheReqOutput, GenerateReqInput
+from sglang.srt.managers.tokenizer_manager import TokenizerManager
+from sglang.srt.server_args import PortArgs, ServerArgs
+from sglang.srt.utils import kill_process_tree
+
+logger = logging.getLogger(__name__)
+
+# How often the launcher checks that its children are alive while the scheduler starts.
+_READY_POLL_S = 0.5
+# Upper bound on each step of shutdown, so that shutdown itself never hangs.
+_SHUTDOWN_STEP_TIMEOUT_S = 5.0
+_END = object()  # marks the end of a generate_request iterator across loops
+
+
+def _run_scheduler_child(
+    server_args: ServerArgs, port_args: PortArgs, pipe_writer: Connection
+) -> None:
+    """Entry of the scheduler process: it follows the launcher's death, then runs."""
+    from sglang.srt.managers.scheduler import run_scheduler_process
+
+    exit_when_parent_dies()
+    run_scheduler_process(server_args, port_args, pipe_writer)
+
+
+def launch_engine_processes(
+    server_args: ServerArgs,
+) -> tuple[TokenizerManager, dict, list[mp.Process]]:
+    """Start the scheduler and detokenizer processes and build the TokenizerManager.
+
+    Returns the manager (not started: call its ``start()`` inside the loop that will own it),
+    the scheduler's ready info, and the child processes (the manager already watches them).
+    Raises RuntimeError with the scheduler's message when it fails to start; no child process
+    is left running in that case.
+    """
+    port_args = PortArgs.init_new()
+    ctx = mp.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    procs: list[mp.Process] = []
+    try:
+        scheduler = ctx.Process(
+            target=_run_scheduler_child,
+            args=(server_args, port_args, writer),
+            name="sglang-scheduler",
+        )
+        scheduler.start()
+        procs.append(scheduler)
+        writer.close()  # the child's copy stays open: EOF on the reader means it died
+        detokenizer = ctx.Process(
+            target=run_detokenizer_process,
+            args=(server_args, port_args),
+            name="sglang-detokenizer",
+        )
+        detokenizer.start()
+        procs.append(detokenizer)
+        scheduler_info = _wait_for_ready(reader, procs)
+        tokenizer_manager = TokenizerManager(server_args, port_args, scheduler_info)
+        tokenizer_manager.watch_processes(procs)
+    except BaseException:
+        _kill_processes(procs)
+        _remove_ipc_dir(port_args)
+        raise
+    finally:
+        writer.close()
+        reader.close()
+    return tokenizer_manager, scheduler_info, procs
+
+
+def _wait_for_ready(reader: Connection, procs: list[mp.Process]) -> dict:
+    """The scheduler's ready message without its "status"; RuntimeError on error or exit."""
+    while not reader.poll(_READY_POLL_S):
+        for proc in procs:
+            if not proc.is_alive():
+                raise RuntimeError(
+                    f"{proc.name} exited with code {proc.exitcode} before the engine was ready"
+                )
+    try:
+        msg = reader.recv()
+    except EOFError:
+        procs[0].join(_SHUTDOWN_STEP_TIMEOUT_S)
+        raise RuntimeError(
+            f"The scheduler exited with code {procs[0].exitcode} before reporting ready"
+        ) from None
+    if msg.get("status") != "ready":
+        raise RuntimeError(f"The scheduler failed to start: {msg.get('message')}")
+    return {k: v for k, v in msg.items() if k != "status"}
+
+
+def _kill_processes(procs: list[mp.Process]) -> None:
+    """Kill each process with its descendants and reap it."""
+    for proc in procs:
+        if proc.pid is not None:
+            kill_process_tree(proc.pid)
+    for proc in procs:
+        if proc.pid is not None:
+            proc.join(_SHUTDOWN_STEP_TIMEOUT_S)
+
+
+def _remove_ipc_dir(port_args: PortArgs) -> None:
+    path = port_args.tokenizer_ipc_name.removeprefix("ipc://")
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+async def _anext(gen: AsyncIterator) -> Any:
+    """Next item of ``gen``, or ``_END`` (a StopAsyncIteration does not cross futures well)."""
+    try:
+        return await gen.__anext__()
+    except StopAsyncIteration:
+        return _END
+
+
+async def _aclose(gen: Any) -> None:
+    await gen.aclose()
+
+
+async def _first_output(gen: Any) -> Any:
+    """The one item a non-stream ``generate_request`` yields; the iterator is then closed."""
+    try:
+        return await gen.__anext__()
+    finally:
+        await gen.aclose()
+
+
+def _shutdown_from_atexit(ref: weakref.ref) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.shutdown()
+
+
+class Engine:
+    """The in-process engine. ``Engine(**kwargs)`` takes :class:`ServerArgs` fields.
+
+    Public methods follow SGLang's ``Engine``. After :meth:`shutdown` (also run at exit and,
+    best effort, on garbage collection) no child process is left and every method raises
+    RuntimeError. A request that fails validation raises ValueError; a dead scheduler makes
+    pending and later calls raise RuntimeError.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        known = {f.name for f in dataclasses.fields(ServerArgs)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"Engine got unexpected keyword argument(s): {', '.join(unknown)}")
+        self.server_args = ServerArgs(**kwargs)
+        # From here on shutdown() has something to undo.
+        self._closed = False
+        self._procs: list[mp.Process] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.tokenizer_manager: TokenizerManager | None = None
+        self._atexit_hook = functools.partial(_shutdown_from_atexit, weakref.ref(self))
+        atexit.register(self._atexit_hook)
+        try:
+            tm, self.scheduler_info, self._procs = launch_engine_processes(self.server_args)
+            self.tokenizer_manager = tm
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(
+                target=self._loop.run_forever, name="sglang-engine-loop", daemon=True
+            )
+            self._thread.start()
+            self._run(self._start_manager())
+        except BaseException:
+            self.shutdown()
+            raise
+        self.tokenizer = tm.tokenizer
+
+    async def _start_manager(self) -> None:
+        self.tokenizer_manager.start()
+
+    # ---- generation --------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool | list[bool] = False,
+        logprob_start_len: int | list[int] | None = None,
+        top_logprobs_num: int | list[int] | None = None,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+        return_entropy: bool | list[bool] = False,
+        return_text_in_logprobs: bool = False,
+    ) -> dict | list[dict] | Iterator[dict]:
+        """Generate for one prompt (-> dict) or a batch (-> list); ``stream`` -> iterator.
+
+        Stream items carry the cumulative text and ids (a batch's items also an "index").
+        Leaving a stream early aborts its request(s).
+        """
+        obj = _make_request(locals())
+        if stream:
+            return self._sync_stream(obj)
+        return self._run(_first_output(self._manager().generate_request(obj)))
+
+    def _sync_stream(self, obj: GenerateReqInput) -> Iterator[dict]:
+        gen = self._manager().generate_request(obj)
+        try:
+            while (item := self._run(_anext(gen))) is not _END:
+                yield item
+        finally:
+            if not self._closed:
+                self._run(_aclose(gen))
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool | list[bool] = False,
+        logprob_start_len: int | list[int] | None = None,
+        top_logprobs_num: int | list[int] | None = None,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+        return_entropy: bool | list[bool] = False,
+        return_text_in_logprobs: bool = False,
+    ) -> dict | list[dict] | AsyncIterator[dict]:
+        """Like :meth:`generate`, awaited in the caller's loop; ``stream`` -> async iterator."""
+        obj = _make_request(locals())
+        if stream:
+            return self._async_stream(obj)
+        return await self._bridge(_first_output(self._manager().generate_request(obj)))
+
+    async def _async_stream(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
+        gen = self._manager().generate_request(obj)
+        try:
+            while (item := await self._bridge(_anext(gen))) is not _END:
+                yield item
+        finally:
+            if not self._closed:
+                await self._bridge(_aclose(gen))
+
+    # ---- control -----------------------------------------------------------------------------
+    def get_server_info(self) -> dict[str, Any]:
+        """Server args, the scheduler's ready info, ``internal_states`` and ``version``."""
+        from sglang import __version__
+
+        internal_states = self._run(self._manager().get_internal_state())
+        return {
+            **self.server_args.to_dict(),
+            **self.scheduler_info,
+            "internal_states": internal_states,
+            "version": __version__,
+        }
+
+    def flush_cache(self) -> FlushCacheReqOutput:
+        """Flush the prefix cache; ``.success`` False (with ``.error_msg``) when refused."""
+        return self._run(self._manager().flush_cache())
+
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> int:
+        """Abort ``rid`` or everything; returns the number of requests the scheduler ended."""
+        return self._run(self._manager().abort_request_async(rid or "", abort_all))
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Kill the child processes and stop the loop thread (idempotent, never hangs)."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        atexit.unregister(self._atexit_hook)
+        tm, loop, thread = self.tokenizer_manager, self._loop, self._thread
+        on_loop_thread = thread is threading.current_thread()
+        if tm is not None and loop is not None and loop.is_running() and not on_loop_thread:
+            try:
+                asyncio.run_coroutine_threadsafe(tm.close(), loop).result(
+                    _SHUTDOWN_STEP_TIMEOUT_S
+                )
+            except Exception:
+                logger.warning("Closing the tokenizer manager failed", exc_info=True)
+        _kill_processes(self._procs)
+        if tm is not None:
+            _remove_ipc_dir(tm.port_args)
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            if thread is not None and not on_loop_thread:
+                thread.join(_SHUTDOWN_STEP_TIMEOUT_S)
+                if not loop.is_running():
+                    loop.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        # Best effort: at interpreter teardown modules may already be gone.
+        with contextlib.suppress(Exception):
+            self.shutdown()
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _manager(self) -> TokenizerManager:
+        if self._closed:
+            raise RuntimeError("The engine is shut down")
+        return self.tokenizer_manager
+
+    def _run(self, coro: Coroutine) -> Any:
+        """Run ``coro`` on the private loop and block this thread until it is done."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError("The engine is shut down")
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("Sync Engine methods cannot be called from the engine's loop")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _bridge(self, coro: Coroutine) -> Any:
+        """Await ``coro`` (run on the private loop) from the caller's loop."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError("The engine is shut down")
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+
+def _make_request(args: dict[str, Any]) -> GenerateReqInput:
+    """A GenerateReqInput from ``generate``'s arguments (SGLang's defaults for None)."""
+    return GenerateReqInput(
+        text=args["prompt"],
+        input_ids=args["input_ids"],
+        sampling_params=args["sampling_params"],
+        rid=args["rid"],
+        return_logprob=args["return_logprob"],
+        logprob_start_len=-1 if args["logprob_start_len"] is None else args["logprob_start_len"],
+        top_logprobs_num=0 if args["top_logprobs_num"] is None else args["top_logprobs_num"],
+        return_text_in_logprobs=args["return_text_in_logprobs"],
+        stream=args["stream"],
+        return_entropy=args["return_entropy"],
+    )

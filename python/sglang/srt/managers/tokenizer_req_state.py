@@ -1,0 +1,141 @@
+"""Frontend state of one rid: the caller's view assembled from incremental outputs.
+
+Owned by the TokenizerManager (one asyncio loop, not thread-safe). Each ``BatchStrOutput``
+carries one increment per rid; :meth:`ReqState.apply` adds it to the totals and
+:meth:`ReqState.to_output` builds the dict that callers receive (SGLang's output format).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sglang.srt.managers.io_struct import BatchStrOutput, TokenizedGenerateReqInput
+
+# Until weight updates land every token is produced by the initial weights.
+_WEIGHT_VERSION = "default"
+_LOGPROB_KEYS = (
+    "output_token_logprobs",
+    "input_token_logprobs",
+    "output_top_logprobs",
+    "input_top_logprobs",
+)
+
+
+class ReqState:
+    """Accumulated output of one rid: the totals of the incremental messages received so far.
+
+    Owned by the TokenizerManager's loop. ``notify`` is shared by the rids of one call and set
+    whenever one of them changes; ``dirty`` marks changes not yet yielded to a stream.
+    ``decode_texts`` maps token ids to their texts for logprob entries (None: texts are None).
+    """
+
+    def __init__(
+        self,
+        req: TokenizedGenerateReqInput,
+        notify: asyncio.Event,
+        parent_rid: str | None,
+        decode_texts: Callable[[list[int]], list[str]] | None,
+        has_text: bool,
+    ) -> None:
+        self.rid = req.rid
+        self.parent_rid = parent_rid
+        self.notify = notify
+        self.return_logprob = req.return_logprob
+        self.top_logprobs_num = req.top_logprobs_num
+        self.return_entropy = req.return_entropy
+        self.decode_texts = decode_texts
+        self.has_text = has_text
+        self.created_time = time.perf_counter()
+        self.finished_time: float | None = None
+        self.finished_reason: dict[str, Any] | None = None
+        self.text = ""
+        self.output_ids: list[int] = []
+        self.prompt_tokens = len(req.input_ids)
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.retractions = 0
+        self.logprobs: dict[str, list] = {key: [] for key in _LOGPROB_KEYS}
+        self.entropy: list[float] = []
+        self.dirty = False
+        self.error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def apply(self, msg: BatchStrOutput, i: int) -> None:
+        """Add entry ``i`` of ``msg`` (this rid's increment) to the totals."""
+        self.text += msg.output_strs[i]
+        self.output_ids.extend(msg.output_ids[i])
+        self.prompt_tokens = msg.prompt_tokens[i]
+        self.completion_tokens = msg.completion_tokens[i]
+        self.cached_tokens = msg.cached_tokens[i]
+        self.retractions = msg.retraction_counts[i]
+        if self.return_logprob:
+            for key in _LOGPROB_KEYS:
+                if key.endswith("top_logprobs") and self.top_logprobs_num <= 0:
+                    continue
+                vals, idxs = getattr(msg, key + "_val"), getattr(msg, key + "_idx")
+                if vals is not None and vals[i]:
+                    self.logprobs[key].extend(self._rows(key, vals[i], idxs[i]))
+        if self.return_entropy and msg.output_token_entropy_val is not None:
+            self.entropy.extend(msg.output_token_entropy_val[i])
+        if msg.finished_reasons[i] is not None:
+            self.finish_locally(msg.finished_reasons[i])
+        self.dirty = True
+
+    def finish_locally(self, reason: dict[str, Any]) -> None:
+        """Mark the request finished with ``reason`` (also used when no message will come)."""
+        self.finished_reason = reason
+        self.finished_time = time.perf_counter()
+        self.dirty = True
+
+    def _rows(self, key: str, vals: list, idxs: list) -> list:
+        """``[[logprob, id, text], ...]`` rows, or for top logprobs one list of rows per
+        position (a position without entries, such as the first prompt token, stays None)."""
+        if not key.endswith("top_logprobs"):
+            return list(map(list, zip(vals, idxs, self._texts(idxs))))
+        flat_ids = [t for pos_idxs in idxs if pos_idxs is not None for t in pos_idxs]
+        texts = iter(self._texts(flat_ids))
+        rows: list = []
+        for pos_vals, pos_idxs in zip(vals, idxs):
+            if pos_vals is None:
+                rows.append(None)
+                continue
+            rows.append([[v, t, next(texts)] for v, t in zip(pos_vals, pos_idxs)])
+        return rows
+
+    def _texts(self, ids: list[int]) -> list[str | None]:
+        if self.decode_texts is None or not ids:
+            return [None] * len(ids)
+        return self.decode_texts(ids)
+
+    def to_output(self) -> dict[str, Any]:
+        """The caller's view: cumulative text/ids and meta_info (lists are copies)."""
+        end_time = self.finished_time if self.finished else time.perf_counter()
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": self.finished_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "e2e_latency": end_time - self.created_time,
+            "weight_version": _WEIGHT_VERSION,
+            "weight_versions": [
+                {"version": _WEIGHT_VERSION, "start": 0, "end": self.completion_tokens}
+            ],
+            "total_retractions": self.retractions,
+        }
+        if self.return_logprob:
+            for key in _LOGPROB_KEYS:
+                if not key.endswith("top_logprobs") or self.top_logprobs_num > 0:
+                    meta[key] = list(self.logprobs[key])
+        if self.return_entropy:
+            meta["output_token_entropy"] = list(self.entropy)
+        out: dict[str, Any] = {"text": self.text} if self.has_text else {}
+        out["output_ids"] = list(self.output_ids)
+        out["meta_info"] = meta
+        return out

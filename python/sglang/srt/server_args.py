@@ -112,6 +112,12 @@ class ServerArgs:
         1.0, "How conservatively new requests are admitted (larger reserves more KV for decode)."
     )
     disable_radix_cache: bool = _arg(False, "Disable the radix prefix cache.")
+    paused_admission: str = _arg(
+        "queue",
+        "What a generate request gets while generation is paused: queue (it waits in the "
+        "waiting queue and runs after continue) or reject (HTTP 503 with Retry-After).",
+        choices=("queue", "reject"),
+    )
     stream_interval: int = _arg(
         1, "Send streamed output every this many tokens (larger is cheaper for long outputs)."
     )

@@ -34,7 +34,12 @@ from sglang.srt.managers.detokenizer_manager import (
     exit_when_parent_dies,
     run_detokenizer_process,
 )
-from sglang.srt.managers.io_struct import FlushCacheReqOutput, GenerateReqInput
+from sglang.srt.managers.io_struct import (
+    FlushCacheReqOutput,
+    GenerateReqInput,
+    PauseGenerationReqInput,
+    PauseGenerationReqOutput,
+)
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils import kill_process_tree
@@ -280,9 +285,47 @@ class Engine:
         """Flush the prefix cache; ``.success`` False (with ``.error_msg``) when refused."""
         return self._run(self._manager().flush_cache())
 
-    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> int:
-        """Abort ``rid`` or everything; returns the number of requests the scheduler ended."""
-        return self._run(self._manager().abort_request_async(rid or "", abort_all))
+    async def async_flush_cache(self) -> FlushCacheReqOutput:
+        return await self._bridge(self._manager().flush_cache())
+
+    def abort_request(
+        self, rid: str | None = None, abort_all: bool = False, match_prefix: bool = False
+    ) -> int:
+        """Abort ``rid`` (exact; every rid starting with it when ``match_prefix``) or
+        everything; returns once the abort took effect, with the number of requests ended.
+        Each aborted caller gets its partial output with finish_reason type "abort"."""
+        return self._run(self._manager().abort_request_async(rid or "", abort_all, match_prefix))
+
+    async def async_abort_request(
+        self, rid: str | None = None, abort_all: bool = False, match_prefix: bool = False
+    ) -> int:
+        return await self._bridge(
+            self._manager().abort_request_async(rid or "", abort_all, match_prefix)
+        )
+
+    def pause_generation(
+        self, mode: str = "retract", clear_cache: bool = False, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """Pause generation (modes: abort, retract, in_place; vLLM's keep and wait).
+
+        Returns once paused, with what it did (``num_running``, ``num_retracted``,
+        ``num_aborted``, ``num_waiting``). ``timeout_s`` is a lease after which the engine
+        continues by itself (for ``wait``: how long to wait for running requests). Raises
+        ValueError for an unknown mode (the state is unchanged).
+        """
+        return self._run(_pause(self._manager(), mode, clear_cache, timeout_s))
+
+    async def async_pause_generation(
+        self, mode: str = "retract", clear_cache: bool = False, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        return await self._bridge(_pause(self._manager(), mode, clear_cache, timeout_s))
+
+    def continue_generation(self) -> dict[str, Any]:
+        """Resume after a pause; idempotent."""
+        return self._run(_continue(self._manager()))
+
+    async def async_continue_generation(self) -> dict[str, Any]:
+        return await self._bridge(_continue(self._manager()))
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -295,9 +338,7 @@ class Engine:
         on_loop_thread = thread is threading.current_thread()
         if tm is not None and loop is not None and loop.is_running() and not on_loop_thread:
             try:
-                asyncio.run_coroutine_threadsafe(tm.close(), loop).result(
-                    _SHUTDOWN_STEP_TIMEOUT_S
-                )
+                asyncio.run_coroutine_threadsafe(tm.close(), loop).result(_SHUTDOWN_STEP_TIMEOUT_S)
             except Exception:
                 logger.warning("Closing the tokenizer manager failed", exc_info=True)
         _kill_processes(self._procs)
@@ -343,6 +384,36 @@ class Engine:
             coro.close()
             raise RuntimeError("The engine is shut down")
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+
+async def _pause(
+    tm: TokenizerManager, mode: str, clear_cache: bool, timeout_s: float | None
+) -> dict[str, Any]:
+    out = await tm.pause_generation(
+        PauseGenerationReqInput(mode=mode, clear_cache=clear_cache, timeout_s=timeout_s)
+    )
+    if not out.success:
+        raise ValueError(out.message)
+    return pause_reply(out)
+
+
+async def _continue(tm: TokenizerManager) -> dict[str, Any]:
+    out = await tm.continue_generation()
+    return {
+        "message": "Generation continued successfully.",
+        "status": "ok",
+        "was_paused": out.was_paused,
+    }
+
+
+def pause_reply(out: PauseGenerationReqOutput) -> dict[str, Any]:
+    """The reply of a successful pause, as /pause_generation and Engine return it."""
+    reply = dataclasses.asdict(out)
+    for key in ("success", "req_id"):
+        reply.pop(key)
+    reply["message"] = "Generation paused successfully."
+    reply["status"] = "ok"
+    return reply
 
 
 def _make_request(args: dict[str, Any]) -> GenerateReqInput:

@@ -190,12 +190,14 @@ class BatchStrOutput:
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class AbortReq:
-    """Abort the request ``rid`` (exact match), or every request with ``abort_all``."""
+    """Abort the request ``rid`` (exact match, or every rid starting with it when
+    ``match_prefix``), or every request with ``abort_all``."""
 
     rid: str = ""
     abort_all: bool = False
     finished_reason: dict[str, Any] | None = None
     aborted_message: str | None = None
+    match_prefix: bool = False
     req_id: str = field(default_factory=_new_id)
 
 
@@ -229,15 +231,53 @@ class GetInternalStateReqOutput:
     req_id: str = ""
 
 
+PAUSE_MODES = ("abort", "retract", "in_place", "keep", "wait")
+
+
 @dataclass
 class PauseGenerationReqInput:
-    mode: Literal["abort", "retract", "in_place"] = "abort"
+    """Pause generation (DESIGN §5). ``mode``:
+
+    * ``abort``: every request, running or waiting, finishes with its partial output;
+    * ``retract``: running requests go back to the waiting queue and release their KV;
+    * ``in_place``: running requests stay in the running batch with their KV;
+    * ``keep`` (vLLM's name): ``in_place``, or ``retract`` + flush when ``clear_cache``;
+    * ``wait`` (vLLM's name): admit nothing new, let running requests finish, then pause.
+      ``timeout_s`` bounds the wait; requests still running then are retracted.
+
+    For the other modes, ``timeout_s`` is a lease: the engine continues by itself when it
+    expires, so a crashed trainer never leaves it paused.
+    """
+
+    mode: Literal["abort", "retract", "in_place", "keep", "wait"] = "abort"
+    clear_cache: bool = False
+    timeout_s: float | None = None
     req_id: str = field(default_factory=_new_id)
+
+
+@dataclass
+class PauseGenerationReqOutput:
+    success: bool
+    message: str = ""
+    mode: str = ""  # the resolved mode (abort | retract | in_place | wait)
+    num_running: int = 0  # requests left in the running batch (in_place keeps them)
+    num_retracted: int = 0
+    num_aborted: int = 0
+    num_waiting: int = 0  # requests in the waiting queue after the pause
+    flushed: bool = False
+    req_id: str = ""
 
 
 @dataclass
 class ContinueGenerationReqInput:
     req_id: str = field(default_factory=_new_id)
+
+
+@dataclass
+class ContinueGenerationReqOutput:
+    success: bool
+    was_paused: bool = False
+    req_id: str = ""
 
 
 @dataclass

@@ -22,13 +22,18 @@ from sglang.srt.layers.sampler import derive_seed
 from sglang.srt.managers.io_struct import (
     AbortReq,
     AbortReqOutput,
+    ContinueGenerationReqInput,
+    ContinueGenerationReqOutput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    PauseGenerationReqInput,
+    PauseGenerationReqOutput,
     SchedulerErrorOutput,
     TokenizedGenerateReqInput,
 )
+from sglang.srt.managers.pause_state import PauseModeError, PauseState, resolve_pause_mode
 from sglang.srt.managers.req_kv import ReqKV
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import (
@@ -82,6 +87,7 @@ class Scheduler:
         self.waiting_queue: list[Req] = []
         self.running_batch = self._new_batch([])
         self.chunked_req: Req | None = None
+        self.pause: PauseState | None = None
         self.cur_batch: ScheduleBatch | None = None
         self.last_batch: ScheduleBatch | None = None
         self.forward_ct_decode = 0
@@ -111,6 +117,8 @@ class Scheduler:
                 (AbortReq, self.handle_abort),
                 (FlushCacheReqInput, self.handle_flush_cache),
                 (GetInternalStateReq, self.handle_get_internal_state),
+                (PauseGenerationReqInput, self.handle_pause),
+                (ContinueGenerationReqInput, self.handle_continue),
             ]
         )
 
@@ -128,9 +136,8 @@ class Scheduler:
     def event_loop(self) -> None:
         while True:
             for msg in self.recv_requests():
-                reply = self.dispatch(msg)
-                if reply is not None:
-                    self.send_to_tokenizer.send(dumps(reply))
+                self.reply(self.dispatch(msg))
+            self.check_pause()
             batch = self.get_next_batch_to_run()
             self.cur_batch = batch
             if batch is None:
@@ -148,9 +155,13 @@ class Scheduler:
                 self.process_decode_result(batch, result)
             self.last_batch = batch
 
+    def reply(self, msg: Any) -> None:
+        if msg is not None:
+            self.send_to_tokenizer.send(dumps(msg))
+
     def recv_requests(self) -> list[Any]:
         """Everything queued on the socket; blocks briefly only when there is nothing to run."""
-        busy = self.waiting_queue or not self.running_batch.is_empty() or self.chunked_req
+        busy = self.has_runnable_work()
         msgs = []
         if self.recv_sock.poll(0 if busy else _IDLE_POLL_MS):
             while True:
@@ -166,20 +177,28 @@ class Scheduler:
             self.tree_cache.check_integrity()
 
     # ---- batch selection --------------------------------------------------------------------
+    def has_runnable_work(self) -> bool:
+        if self.pause is not None and not self.pause.draining:
+            return False
+        return bool(self.waiting_queue or self.chunked_req or not self.running_batch.is_empty())
+
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        batch = self.get_new_batch_prefill()
-        if batch is not None:
-            return batch
+        """Prefill first (unless paused or draining), else decode; None when idle/paused."""
+        if self.pause is not None and not self.pause.draining:
+            return None
+        if self.pause is None or self.chunked_req is not None:
+            batch = self.get_new_batch_prefill(admit_new=self.pause is None)
+            if batch is not None:
+                return batch
         if self.running_batch.is_empty():
             return None
         return self.update_running_batch()
 
-    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+    def get_new_batch_prefill(self, admit_new: bool = True) -> ScheduleBatch | None:
         """Admit waiting requests (and the chunked request's next chunk) into an extend batch."""
         num_running = len(self.running_batch)
-        if self.chunked_req is None and (
-            not self.waiting_queue or num_running >= self.max_running_requests
-        ):
+        waiting = self.waiting_queue if admit_new else []
+        if self.chunked_req is None and (not waiting or num_running >= self.max_running_requests):
             return None
         sort_waiting_queue(self.waiting_queue, self.server_args.schedule_policy, self.kv)
         chunk = self.server_args.chunked_prefill_size
@@ -196,7 +215,7 @@ class Scheduler:
             adder.add_chunked_req(self.chunked_req)
             num_running += 1
         admitted = 0
-        for req in self.waiting_queue:
+        for req in waiting:
             if num_running + admitted >= self.max_running_requests:
                 break
             if not adder.add_one_req(req):
@@ -288,30 +307,44 @@ class Scheduler:
         self.waiting_queue.append(req)
 
     def handle_abort(self, recv: AbortReq) -> AbortReqOutput:
-        """Abort by exact rid (or all); each aborted request gets its final output now."""
-        matches = (lambda rid: True) if recv.abort_all else (lambda rid: rid == recv.rid)
-        message = recv.aborted_message or "Request aborted"
+        """Abort by exact rid, rid prefix (when asked) or all; each gets its final output now."""
+        if recv.abort_all:
+            matches = lambda rid: True
+        elif recv.match_prefix:
+            matches = lambda rid: rid.startswith(recv.rid)
+        else:
+            matches = lambda rid: rid == recv.rid
+        num = self.abort_matching(matches, recv.aborted_message or "Request aborted")
+        return AbortReqOutput(req_id=recv.req_id, num_aborted=num)
+
+    def abort_matching(self, matches: Any, message: str) -> int:
+        """Finish every matching request (waiting, chunked or running) with type "abort"."""
         aborted = [r for r in self.waiting_queue if matches(r.rid)]
         self.waiting_queue = [r for r in self.waiting_queue if not matches(r.rid)]
         if self.chunked_req is not None and matches(self.chunked_req.rid):
             aborted.append(self.chunked_req)
             self.chunked_req = None
-        running = [r for r in self.running_batch.reqs if matches(r.rid)]
+        aborted += [r for r in self.running_batch.reqs if matches(r.rid)]
         self.running_batch.filter([r for r in self.running_batch.reqs if not matches(r.rid)])
-        for req in aborted + running:
+        for req in aborted:
             self.kv.release(req)
             req.abort(message)
-        self.output.finish(aborted + running)
-        return AbortReqOutput(req_id=recv.req_id, num_aborted=len(aborted) + len(running))
+        self.output.finish(aborted)
+        return len(aborted)
 
     def handle_flush_cache(self, recv: FlushCacheReqInput) -> FlushCacheReqOutput:
-        """Reset every KV structure; refused while any request holds or awaits KV."""
-        busy = len(self.running_batch) + len(self.waiting_queue) + (self.chunked_req is not None)
-        if busy:
+        out = self.flush_cache()
+        out.req_id = recv.req_id
+        return out
+
+    def flush_cache(self) -> FlushCacheReqOutput:
+        """Reset every KV structure. Refused while a request holds KV (running, chunked);
+        waiting requests (new, or retracted by a pause) hold none and stay queued."""
+        holders = len(self.running_batch) + (self.chunked_req is not None)
+        if holders:
             return FlushCacheReqOutput(
                 success=False,
-                req_id=recv.req_id,
-                error_msg=f"{busy} request(s) are running or waiting; flush refused",
+                error_msg=f"{holders} request(s) hold KV cache (running or paused in place)",
             )
         flushed = self.tree_cache.total_size()
         self.tree_cache.reset()
@@ -320,8 +353,81 @@ class Scheduler:
         self.forward_ct_decode = 0
         self.new_token_ratio = self.init_new_token_ratio
         self.cur_batch = self.last_batch = None
-        self.chunked_req = None
-        return FlushCacheReqOutput(success=True, flushed_items=flushed, req_id=recv.req_id)
+        return FlushCacheReqOutput(success=True, flushed_items=flushed)
+
+    # ---- pause / continue -------------------------------------------------------------------
+    def handle_pause(self, recv: PauseGenerationReqInput) -> PauseGenerationReqOutput | None:
+        """Pause per DESIGN §5. A ``wait`` pause is answered later, once drained."""
+        try:
+            mode, flush = resolve_pause_mode(recv.mode, recv.clear_cache)
+            if recv.timeout_s is not None and not recv.timeout_s > 0:
+                raise PauseModeError(f"timeout_s must be > 0, got {recv.timeout_s}")
+        except PauseModeError as e:
+            return PauseGenerationReqOutput(success=False, message=str(e), req_id=recv.req_id)
+        if self.pause is not None and self.pause.pending is not None:
+            self.reply(self.finish_pause(retract=False))  # a newer pause supersedes a drain
+        self.pause = PauseState.create(recv, mode, flush)
+        if mode == "wait":
+            return self.finish_pause(retract=False) if not self.has_kv_holders() else None
+        return self.apply_pause(recv, mode, flush)
+
+    def apply_pause(
+        self, recv: PauseGenerationReqInput, mode: str, flush: bool
+    ) -> PauseGenerationReqOutput:
+        num_aborted = num_retracted = 0
+        if mode == "abort":
+            num_aborted = self.abort_matching(lambda rid: True, "Aborted by pause_generation")
+        elif mode == "retract":
+            num_retracted = self.retract_all()
+        flushed = flush and self.flush_cache().success
+        return PauseGenerationReqOutput(
+            success=True,
+            message="Generation paused successfully.",
+            mode=mode,
+            num_running=len(self.running_batch),
+            num_retracted=num_retracted,
+            num_aborted=num_aborted,
+            num_waiting=len(self.waiting_queue),
+            flushed=flushed,
+            req_id=recv.req_id,
+        )
+
+    def retract_all(self) -> int:
+        """Move the running batch and the chunked request back to the waiting queue, in order."""
+        retracted = self.running_batch.retract_all()
+        if self.chunked_req is not None:
+            self.kv.release(self.chunked_req)
+            self.chunked_req.on_retract()
+            retracted.append(self.chunked_req)
+            self.chunked_req = None
+        self.waiting_queue = retracted + self.waiting_queue
+        return len(retracted)
+
+    def finish_pause(self, retract: bool) -> PauseGenerationReqOutput:
+        """End the drain of a ``wait`` pause (retracting stragglers when it timed out)."""
+        recv, self.pause.pending = self.pause.pending, None
+        return self.apply_pause(recv, "retract" if retract else "wait", self.pause.flush)
+
+    def check_pause(self) -> None:
+        """Each loop turn: end a finished or timed-out drain; honour an expired lease."""
+        if self.pause is None:
+            return
+        if self.pause.draining:
+            if not self.has_kv_holders() or self.pause.drain_expired():
+                self.reply(self.finish_pause(retract=self.has_kv_holders()))
+        elif self.pause.lease_expired():
+            logger.warning("Pause lease expired after the trainer's timeout; continuing")
+            self.pause = None
+
+    def has_kv_holders(self) -> bool:
+        return not self.running_batch.is_empty() or self.chunked_req is not None
+
+    def handle_continue(self, recv: ContinueGenerationReqInput) -> ContinueGenerationReqOutput:
+        was_paused = self.pause is not None
+        if was_paused and self.pause.draining:
+            self.reply(self.finish_pause(retract=False))
+        self.pause = None
+        return ContinueGenerationReqOutput(success=True, was_paused=was_paused, req_id=recv.req_id)
 
     def handle_get_internal_state(self, recv: GetInternalStateReq) -> GetInternalStateReqOutput:
         return GetInternalStateReqOutput(internal_state=self.internal_state(), req_id=recv.req_id)
@@ -329,7 +435,9 @@ class Scheduler:
     def internal_state(self) -> dict[str, Any]:
         pool = self.kv.req_to_token_pool
         return {
-            "engine_paused": False,
+            "engine_paused": self.pause is not None,
+            "pause_mode": None if self.pause is None else self.pause.mode,
+            "paused_since": None if self.pause is None else self.pause.since,
             "waiting_queue_size": len(self.waiting_queue),
             "running_batch_size": len(self.running_batch),
             "running_batch_rids": [r.rid for r in self.running_batch.reqs],

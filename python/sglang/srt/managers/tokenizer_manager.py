@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import math
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -26,11 +28,15 @@ from sglang.srt.managers.io_struct import (
     AbortReq,
     AbortReqOutput,
     BatchStrOutput,
+    ContinueGenerationReqInput,
+    ContinueGenerationReqOutput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GenerateReqInput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    PauseGenerationReqInput,
+    PauseGenerationReqOutput,
     SchedulerErrorOutput,
     TokenizedGenerateReqInput,
 )
@@ -51,6 +57,10 @@ _WATCH_INTERVAL_S = 0.5
 # After an abort that the scheduler says ended nothing, a still-unfinished targeted request is
 # finished locally after this grace period (its final output may be in flight meanwhile).
 _ABORT_GRACE_S = 1.0
+
+
+class EnginePausedError(RuntimeError):
+    """A generate request arrived while paused and ``--paused-admission reject`` is set."""
 
 
 class TokenizerManager:
@@ -81,18 +91,24 @@ class TokenizerManager:
         self._abort_targets: dict[str, list[ReqState]] = {}
         self._procs: list[Any] = []
         self._dead_reason: str | None = None
+        # Monotonic time until which the engine is paused (inf: until continue; None: running).
+        self._paused_until: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._context: zmq.asyncio.Context | None = None
         self._send_socket: zmq.asyncio.Socket | None = None
         self._recv_socket: zmq.asyncio.Socket | None = None
-        self._dispatcher = TypeBasedDispatcher([
-            (BatchStrOutput, self._handle_batch_str_output),
-            (AbortReqOutput, self._handle_abort_output),
-            (FlushCacheReqOutput, self._handle_control_output),
-            (GetInternalStateReqOutput, self._handle_control_output),
-            (SchedulerErrorOutput, self._handle_scheduler_error),
-        ])
+        self._dispatcher = TypeBasedDispatcher(
+            [
+                (BatchStrOutput, self._handle_batch_str_output),
+                (AbortReqOutput, self._handle_abort_output),
+                (FlushCacheReqOutput, self._handle_control_output),
+                (GetInternalStateReqOutput, self._handle_control_output),
+                (PauseGenerationReqOutput, self._handle_control_output),
+                (ContinueGenerationReqOutput, self._handle_control_output),
+                (SchedulerErrorOutput, self._handle_scheduler_error),
+            ]
+        )
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -147,6 +163,8 @@ class TokenizerManager:
         """
         self._check_alive()
         self.start()
+        if self.server_args.paused_admission == "reject" and self.is_paused:
+            raise EnginePausedError("Generation is paused; retry after continue_generation")
         obj.normalize_batch_and_arguments()
         reqs, parents = self._tokenize_and_validate(obj)
         is_list = not obj.is_single or len(reqs) > 1
@@ -173,8 +191,9 @@ class TokenizerManager:
         singles = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
         if obj.text is not None:
             if self.tokenizer is None:
-                raise ValueError("text input needs a tokenizer; with skip_tokenizer_init "
-                                 "pass input_ids")
+                raise ValueError(
+                    "text input needs a tokenizer; with skip_tokenizer_init pass input_ids"
+                )
             texts = [s.text for s in singles]
             all_ids = self.tokenizer(texts)["input_ids"] if texts else []
         else:
@@ -241,8 +260,9 @@ class TokenizerManager:
             sampling_params.max_new_tokens = room
             sampling_params.min_new_tokens = min(sampling_params.min_new_tokens, room)
         if obj.return_logprob:
-            _check_logprob_args(obj.logprob_start_len, obj.top_logprobs_num, prompt_len,
-                                self.vocab_size)
+            _check_logprob_args(
+                obj.logprob_start_len, obj.top_logprobs_num, prompt_len, self.vocab_size
+            )
         return TokenizedGenerateReqInput(
             rid=obj.rid,
             input_text=obj.text,
@@ -310,7 +330,9 @@ class TokenizerManager:
                 self.abort_request(state.rid)
 
     # ---- abort and control -------------------------------------------------------------------
-    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+    def abort_request(
+        self, rid: str = "", abort_all: bool = False, match_prefix: bool = False
+    ) -> None:
         """Ask the scheduler to abort ``rid`` (or everything); returns without waiting.
 
         A rid that names the parent of ``n > 1`` copies aborts every copy. Must be called on
@@ -320,22 +342,26 @@ class TokenizerManager:
         if self._dead_reason is not None:
             return
         self.start()
-        for req in self._abort_reqs(rid, abort_all):
+        for req in self._abort_reqs(rid, abort_all, match_prefix):
             self._send(req)
 
-    async def abort_request_async(self, rid: str = "", abort_all: bool = False) -> int:
+    async def abort_request_async(
+        self, rid: str = "", abort_all: bool = False, match_prefix: bool = False
+    ) -> int:
         """Abort like :meth:`abort_request`; returns how many requests the scheduler ended."""
         self._check_alive()
         self.start()
         outs = await asyncio.gather(
-            *(self._control(req) for req in self._abort_reqs(rid, abort_all))
+            *(self._control(req) for req in self._abort_reqs(rid, abort_all, match_prefix))
         )
         return sum(out.num_aborted for out in outs)
 
-    def _abort_reqs(self, rid: str, abort_all: bool) -> list[AbortReq]:
+    def _abort_reqs(self, rid: str, abort_all: bool, match_prefix: bool) -> list[AbortReq]:
         """The AbortReq messages for ``rid``, each remembering which states it targets."""
         if abort_all:
             targets = {"": list(self.rid_to_state.values())}
+        elif match_prefix:
+            targets = {rid: [s for r, s in self.rid_to_state.items() if r.startswith(rid)]}
         elif rid in self.rid_to_state or not rid:
             targets = {rid: [self.rid_to_state[rid]] if rid else []}
         else:
@@ -343,10 +369,36 @@ class TokenizerManager:
             targets = {s.rid: [s] for s in children} if children else {rid: []}
         reqs = []
         for target_rid, target_states in targets.items():
-            req = AbortReq(rid=target_rid, abort_all=abort_all)
+            req = AbortReq(rid=target_rid, abort_all=abort_all, match_prefix=match_prefix)
             self._abort_targets[req.req_id] = target_states
             reqs.append(req)
         return reqs
+
+    async def pause_generation(self, obj: PauseGenerationReqInput) -> PauseGenerationReqOutput:
+        """Pause the scheduler (DESIGN §5); returns once the pause took effect.
+
+        The scheduler handles requests in arrival order, so every request sent before this
+        call is covered by it (an ``abort`` pause aborts them all). An invalid mode comes back
+        as ``success=False`` with the state unchanged.
+        """
+        out = await self._control(obj)
+        if out.success:
+            lease = obj.timeout_s if obj.mode != "wait" else None
+            self._paused_until = math.inf if lease is None else time.monotonic() + lease
+        return out
+
+    async def continue_generation(
+        self, obj: ContinueGenerationReqInput | None = None
+    ) -> ContinueGenerationReqOutput:
+        """Resume after a pause (a no-op reply when not paused)."""
+        out = await self._control(obj or ContinueGenerationReqInput())
+        self._paused_until = None
+        return out
+
+    @property
+    def is_paused(self) -> bool:
+        """Paused as far as this frontend knows (a pause lease ends it by itself)."""
+        return self._paused_until is not None and time.monotonic() < self._paused_until
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         """Ask the scheduler to flush the prefix cache; returns its reply (success or reason)."""

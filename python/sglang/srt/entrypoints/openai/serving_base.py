@@ -3,6 +3,7 @@ abort-on-disconnect, and the conversion of engine outputs to OpenAI fields."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
@@ -27,6 +28,7 @@ _ERROR_TYPES = {
     503: "service_unavailable",
 }
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+_background_tasks: set[asyncio.Task] = set()
 
 
 def sse_event(payload: Any) -> bytes:
@@ -36,19 +38,23 @@ def sse_event(payload: Any) -> bytes:
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     """The JSON error body: ``{"error": {"message", "type", "param", "code"}}``."""
-    err_type = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    default_type = "server_error" if status >= 500 else "invalid_request_error"
+    err_type = _ERROR_TYPES.get(status, default_type)
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
 
-def json_response(payload: Any, status: int = 200) -> Response:
+def json_response(payload: Any, status: int = 200,
+                  headers: dict[str, str] | None = None) -> Response:
     """A JSON response; ``payload`` is plain data or a pydantic model."""
     if hasattr(payload, "model_dump"):
         payload = payload.model_dump()
-    return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
+    body = orjson.dumps(payload, default=str, option=orjson.OPT_NON_STR_KEYS)
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
-def error_response(message: str, status: int, param: str | None = None) -> Response:
-    return json_response(error_body(message, status, param), status)
+def error_response(message: str, status: int, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> Response:
+    return json_response(error_body(message, status, param), status, headers)
 
 
 def status_of(exc: BaseException) -> int:
@@ -64,16 +70,15 @@ def stream_response(
     first: Any,
     outputs: AsyncIterator[Any],
     render: Callable[[Any], Iterable[bytes]],
-    on_close: Callable[[], None],
     trailer: Callable[[], Iterable[bytes]] = lambda: (),
 ) -> StreamingResponse:
-    """An SSE response: ``render(first)``, ``render(out)`` for each further output, then
-    ``trailer()`` and ``data: [DONE]``.
+    """An SSE response: ``render(first)``, ``render(out)`` for each further output of
+    ``outputs``, then ``trailer()`` and ``data: [DONE]``.
 
     An exception from the engine mid-stream becomes one ``data: {"error": ...}`` event before
-    ``[DONE]``. ``on_close`` is called exactly once, however the stream ends (finished, failed,
-    or cancelled because the client went away); it must not await, since a cancelled task
-    cannot.
+    ``[DONE]``. However the stream ends (finished, failed, or cancelled because the client went
+    away), ``outputs`` is closed, which aborts its unfinished requests (TokenizerManager
+    contract). The close runs as its own task: a cancelled task cannot await.
     """
 
     async def body() -> AsyncIterator[bytes]:
@@ -88,18 +93,29 @@ def stream_response(
         except (ValueError, RuntimeError) as e:
             yield sse_event(error_body(str(e), status_of(e)))
         finally:
-            on_close()
+            _close_in_background(outputs)
         yield SSE_DONE
 
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
-def abort_unfinished(tokenizer_manager: Any, rids: list[str], finished: set[int]) -> None:
-    """Abort every rid whose index is not in ``finished`` (the client stopped listening)."""
-    for i, rid in enumerate(rids):
-        if i not in finished:
-            logger.info("Client disconnected: aborting request %s", rid)
-            tokenizer_manager.abort_request(rid)
+def _close_in_background(outputs: AsyncIterator[Any]) -> None:
+    task = asyncio.get_running_loop().create_task(outputs.aclose())
+    # The loop keeps only weak references to tasks: hold this one until it is done.
+    _background_tasks.add(task)
+    task.add_done_callback(_background_tasks.discard)
+
+
+async def first_output(outputs: AsyncIterator[Any], stream: bool) -> Any:
+    """The first output of a generation (the only one unless streaming).
+
+    Errors in the request (ValueError) surface here, before any response header is sent, so
+    they become a proper 4xx. A non-stream generator is closed so its cleanup runs now.
+    """
+    first = await outputs.__anext__()
+    if not stream:
+        await outputs.aclose()
+    return first
 
 
 def map_finish_reason(meta_info: dict[str, Any]) -> tuple[str | None, int | str | None]:
@@ -134,12 +150,12 @@ class OpenAIServingBase:
             "temperature": req.temperature,
             "top_p": req.top_p,
             "stop": stop,
+            # None: as many tokens as the context leaves (TokenizerManager contract).
+            "max_new_tokens": max_new_tokens,
             "presence_penalty": req.presence_penalty,
             "frequency_penalty": req.frequency_penalty,
             **req.extra_sampling_params(),
         }
-        if max_new_tokens is not None:
-            params["max_new_tokens"] = max_new_tokens
         return params
 
     def per_choice_params(self, params: dict[str, Any], seed: int | None, n: int,
@@ -184,11 +200,6 @@ class OpenAIServingBase:
             return None
         return list(meta_info.get("output_token_entropy") or [])[start:]
 
-    async def first_output(self, outputs: AsyncIterator[Any]) -> Any:
-        """The first output of a generation: errors in the request surface here, before any
-        response header is sent, so they become a proper 4xx."""
-        return await outputs.__anext__()
-
     def generate(self, obj: Any, raw_request: Request) -> AsyncIterator[Any]:
         return self.tm.generate_request(obj, raw_request)
 
@@ -218,19 +229,18 @@ class StreamState:
     def __init__(self, num_choices: int) -> None:
         self.text_len = [0] * num_choices
         self.num_tokens = [0] * num_choices
-        self.finished: set[int] = set()
         self.finals: dict[int, dict[str, Any]] = {}
 
     def advance(self, out: dict[str, Any]) -> StreamDelta:
         i = out.get("index", 0)
         meta = out["meta_info"]
-        text = out["text"][self.text_len[i]:]
-        self.text_len[i] = len(out["text"])
+        full_text = out.get("text", "")
+        text = full_text[self.text_len[i]:]
+        self.text_len[i] = len(full_text)
         start = self.num_tokens[i]
         self.num_tokens[i] = meta.get("completion_tokens", len(out.get("output_ids", [])))
         finish_reason, matched = map_finish_reason(meta)
         if finish_reason is not None:
-            self.finished.add(i)
             self.finals[i] = out
         return StreamDelta(i, text, start, finish_reason, matched, meta)
 

@@ -29,7 +29,7 @@ from sglang.srt.entrypoints.openai.protocol import (
 from sglang.srt.entrypoints.openai.serving_base import (
     OpenAIServingBase,
     StreamState,
-    abort_unfinished,
+    first_output,
     json_response,
     map_finish_reason,
     sse_event,
@@ -56,10 +56,10 @@ class OpenAIServingChat(OpenAIServingBase):
         obj = self._to_generate(req, input_ids)
         tracker = self.metrics.new_request(stream=req.stream)
         outputs = self.generate(obj, raw_request)
-        first = await self.first_output(outputs)
+        first = await first_output(outputs, req.stream)
         response_id = new_id("chatcmpl")
         if req.stream:
-            return self._stream(req, obj, first, outputs, tracker, response_id)
+            return self._stream(req, first, outputs, tracker, response_id)
         tracker.observe(first)
         return json_response(self._response(req, first, response_id))
 
@@ -89,9 +89,6 @@ class OpenAIServingChat(OpenAIServingBase):
     def _to_generate(self, req: ChatCompletionRequest, input_ids: list[int]) -> GenerateReqInput:
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
-        if max_tokens is None:
-            # OpenAI's default: as many tokens as the context leaves.
-            max_tokens = max(self.tm.context_len - len(input_ids), 1)
         params = self.sampling_params(req, max_tokens, req.stop)
         return GenerateReqInput(
             input_ids=[list(input_ids) for _ in range(req.n)],
@@ -127,7 +124,7 @@ class OpenAIServingChat(OpenAIServingBase):
             finish_reason, matched = map_finish_reason(meta)
             choices.append(ChatCompletionChoice(
                 index=i,
-                message=ChatResponseMessage(content=out["text"]),
+                message=ChatResponseMessage(content=out.get("text", "")),
                 logprobs=self._logprobs(meta, 0) if req.logprobs else None,
                 finish_reason=finish_reason,
                 matched_stop=matched,
@@ -138,7 +135,7 @@ class OpenAIServingChat(OpenAIServingBase):
             usage=self.usage(outputs, req.n),
         )
 
-    def _stream(self, req: ChatCompletionRequest, obj: GenerateReqInput, first: Any,
+    def _stream(self, req: ChatCompletionRequest, first: Any,
                 outputs: AsyncIterator[Any], tracker: Any, response_id: str) -> Response:
         state = StreamState(req.n)
         role_sent: set[int] = set()
@@ -178,7 +175,6 @@ class OpenAIServingChat(OpenAIServingBase):
 
         return stream_response(
             first, outputs, render,
-            on_close=lambda: abort_unfinished(self.tm, obj.rid, state.finished),
             trailer=trailer,
         )
 

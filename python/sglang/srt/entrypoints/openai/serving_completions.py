@@ -24,7 +24,7 @@ from sglang.srt.entrypoints.openai.protocol import (
 from sglang.srt.entrypoints.openai.serving_base import (
     OpenAIServingBase,
     StreamState,
-    abort_unfinished,
+    first_output,
     json_response,
     map_finish_reason,
     sse_event,
@@ -44,11 +44,11 @@ class OpenAIServingCompletion(OpenAIServingBase):
         obj = self._to_generate(req, prompts)
         tracker = self.metrics.new_request(stream=req.stream)
         outputs = self.generate(obj, raw_request)
-        first = await self.first_output(outputs)
+        first = await first_output(outputs, req.stream)
         echoes = self._echo_texts(req, prompts)
         response_id = new_id("cmpl")
         if req.stream:
-            return self._stream(req, obj, first, outputs, tracker, echoes, response_id)
+            return self._stream(req, first, outputs, tracker, echoes, response_id)
         tracker.observe(first)
         return json_response(self._response(req, first, echoes, response_id))
 
@@ -103,7 +103,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             finish_reason, matched = map_finish_reason(meta)
             choices.append(CompletionChoice(
                 index=i,
-                text=echoes[i] + out["text"],
+                text=echoes[i] + out.get("text", ""),
                 logprobs=self._logprobs(meta, 0, len(echoes[i])) if req.logprobs is not None
                 else None,
                 finish_reason=finish_reason,
@@ -115,7 +115,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             usage=self.usage(outputs, req.n),
         )
 
-    def _stream(self, req: CompletionRequest, obj: GenerateReqInput, first: Any,
+    def _stream(self, req: CompletionRequest, first: Any,
                 outputs: AsyncIterator[Any], tracker: Any, echoes: list[str],
                 response_id: str) -> Response:
         state = StreamState(len(echoes))
@@ -154,7 +154,6 @@ class OpenAIServingCompletion(OpenAIServingBase):
 
         return stream_response(
             first, outputs, render,
-            on_close=lambda: abort_unfinished(self.tm, obj.rid, state.finished),
             trailer=trailer,
         )
 

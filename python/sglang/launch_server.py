@@ -1,0 +1,46 @@
+"""``python -m sglang.launch_server --model-path ...``: serve a model over HTTP.
+
+Every flag comes from a field of :class:`ServerArgs` (``--help`` lists them). ``--help`` and
+argument errors are handled before anything heavy (torch, the model) is imported. Values we
+accept but cannot honour (e.g. ``--tp-size 2``) exit with status 2 and a message naming the
+flag, like any other argparse error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from sglang.srt.server_args import ServerArgs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the server, generated from the ServerArgs fields."""
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang.launch_server",
+        description="Serve a language model with SGLang's native and OpenAI-compatible HTTP "
+        "APIs.",
+    )
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
+    """ServerArgs from the command line; exits with status 2 on any invalid flag or value."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return ServerArgs.from_cli_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def main(argv: list[str] | None = None) -> None:
+    server_args = parse_server_args(argv)
+    from sglang.srt.entrypoints.http_server import launch_server
+
+    launch_server(server_args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

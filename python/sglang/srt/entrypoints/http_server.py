@@ -1,0 +1,438 @@
+"""The HTTP server: SGLang's native endpoints and the OpenAI-compatible API (DESIGN §2).
+
+``launch_server`` starts the engine processes, then serves :func:`create_app` with uvicorn
+until interrupted, and kills the engine processes on exit. The app reads everything it needs
+from ``app.state`` (set once by ``create_app``), so tests can build it around a fake
+TokenizerManager. Endpoints are on the module's ``router``; the :class:`GuardMiddleware` (auth,
+body limit) wraps all of them, including endpoints added later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import signal
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import fields
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response
+from pydantic import BaseModel, ConfigDict
+
+import sglang
+from sglang.srt.entrypoints.http_guard import GuardMiddleware, add_error_handlers
+from sglang.srt.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from sglang.srt.entrypoints.openai.serving_base import (
+    error_response,
+    first_output,
+    json_response,
+    sse_event,
+    stream_response,
+)
+from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang.srt.metrics import NoMetrics, ServerMetrics
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils import configure_logger, kill_process_tree
+
+logger = logging.getLogger(__name__)
+
+# /health_generate answers 503 rather than waiting longer than this for its one token.
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+WARMUP_TIMEOUT_S = 600.0
+# How much of a prompt / output --log-requests shows.
+_LOG_TEXT_CHARS = 200
+
+router = APIRouter()
+# SGLang /generate fields for features this engine does not have (refused when truthy).
+_UNSUPPORTED_GENERATE_FIELDS = frozenset({
+    "image_data", "video_data", "audio_data", "input_embeds", "lora_path", "lora_id",
+    "custom_logit_processor", "return_hidden_states", "session_params",
+})
+
+
+# ---------------------------------------------------------------------------------------------
+# Request bodies of the native endpoints
+# ---------------------------------------------------------------------------------------------
+class GenerateRequest(BaseModel):
+    """Body of POST /generate: the JSON form of ``GenerateReqInput``.
+
+    Unknown keys are ignored, as SGLang does, except SGLang features we do not have: those are
+    refused when set, rather than silently giving a different result.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    return_entropy: bool | list[bool] = False
+
+    def to_req_input(self) -> GenerateReqInput:
+        """The engine's request. Raises ValueError on an empty prompt or when not exactly one
+        of text / input_ids is given."""
+        unsupported = sorted(k for k, v in (self.model_extra or {}).items()
+                             if k in _UNSUPPORTED_GENERATE_FIELDS and v)
+        if unsupported:
+            raise ValueError(f"not supported by this server: {', '.join(unsupported)}")
+        names = {f.name for f in fields(GenerateReqInput)}
+        obj = GenerateReqInput(**{k: v for k, v in self.model_dump().items() if k in names})
+        prompts = [obj.text if obj.text is not None else obj.input_ids] if obj.is_single else (
+            obj.text if obj.text is not None else obj.input_ids)
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompt is empty: give a non-empty 'text' or 'input_ids'")
+        return obj
+
+
+class AbortRequestBody(BaseModel):
+    rid: str = ""
+    abort_all: bool = False
+
+
+# ---------------------------------------------------------------------------------------------
+# Request observation: metrics and --log-requests
+# ---------------------------------------------------------------------------------------------
+class _Tracker:
+    def __init__(self, inner: Any, log: bool) -> None:
+        self._inner = inner
+        self._log = log
+
+    def observe(self, out: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self._inner.observe(out)
+        if not self._log:
+            return
+        for item in out if isinstance(out, list) else [out]:
+            meta = item.get("meta_info", {})
+            if meta.get("finish_reason"):
+                logger.info(
+                    "Finish: rid=%s finish_reason=%s prompt_tokens=%s completion_tokens=%s "
+                    "text=%r", meta.get("id"), meta.get("finish_reason"),
+                    meta.get("prompt_tokens"), meta.get("completion_tokens"),
+                    item.get("text", "")[:_LOG_TEXT_CHARS],
+                )
+
+
+class RequestObserver:
+    """Hands out one tracker per HTTP request; feeds metrics and, with --log-requests, logs."""
+
+    def __init__(self, metrics: ServerMetrics | NoMetrics, log_requests: bool) -> None:
+        self.metrics = metrics
+        self.log_requests = log_requests
+
+    def log_request(self, endpoint: str, body: Any) -> None:
+        if self.log_requests:
+            logger.info("Receive %s: %s", endpoint, repr(body)[: 4 * _LOG_TEXT_CHARS])
+
+    def new_request(self, stream: bool) -> _Tracker:
+        return _Tracker(self.metrics.new_request(stream), self.log_requests)
+
+
+# ---------------------------------------------------------------------------------------------
+# Native endpoints
+# ---------------------------------------------------------------------------------------------
+def _tm(request: Request) -> Any:
+    return request.app.state.tokenizer_manager
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 once the server is warmed up and every engine process is alive; 503 otherwise."""
+    state = request.app.state
+    if not state.ready:
+        return error_response("The server is starting up", 503)
+    dead = [p.pid for p in state.processes if not p.is_alive()]
+    if dead:
+        return error_response(f"Engine process(es) {dead} died", 503)
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """Generate one token end to end; 503 if that fails or takes too long.
+
+    While generation is paused nothing would decode, so the check is then a round trip to the
+    scheduler (it still serves control requests).
+    """
+    tm = _tm(request)
+    if getattr(tm, "is_paused", False):
+        probe = tm.get_internal_state()
+    else:
+        probe = _drain(tm.generate_request(_probe_request(tm, f"HEALTH_CHECK_{uuid.uuid4().hex}")))
+    try:
+        # On timeout the generation is cancelled, which aborts its request (TM contract).
+        await asyncio.wait_for(probe, HEALTH_GENERATE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return error_response("Health check timed out", 503)
+    except (ValueError, RuntimeError) as e:
+        return error_response(f"Health check failed: {e}", 503)
+    return Response(status_code=200)
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request) -> Response:
+    """Generate for one prompt or a batch; SSE stream of cumulative outputs with ``stream``."""
+    state = request.app.state
+    obj = body.to_req_input()
+    state.observer.log_request("/generate", obj)
+    tracker = state.observer.new_request(obj.stream)
+    outputs = _tm(request).generate_request(obj, request)
+    first = await first_output(outputs, obj.stream)
+    if not obj.stream:
+        tracker.observe(first)
+        return json_response(first)
+
+    def render(out: dict[str, Any]) -> list[bytes]:
+        tracker.observe(out)
+        return [sse_event(out)]
+
+    return stream_response(first, outputs, render)
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> Response:
+    tm = _tm(request)
+    states = await tm.get_internal_state()
+    return json_response({
+        "model_path": tm.model_path,
+        "tokenizer_path": request.app.state.server_args.tokenizer_path,
+        "is_generation": True,
+        "weight_version": states[0].get("weight_version") if states else None,
+    })
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> Response:
+    """Server args (API key redacted), scheduler info, the schedulers' internal states."""
+    state = request.app.state
+    args = state.server_args.to_dict()
+    if args.get("api_key"):
+        args["api_key"] = "<redacted>"
+    return json_response({
+        **args,
+        **state.scheduler_info,
+        "internal_states": await _tm(request).get_internal_state(),
+        "version": sglang.__version__,
+    })
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> Response:
+    """200 with a text body when the cache was flushed, 400 with the reason when refused."""
+    result = await _tm(request).flush_cache()
+    if result.success:
+        return PlainTextResponse("Cache flushed.\n")
+    return error_response(f"Cache not flushed: {result.error_msg}", 400)
+
+
+@router.post("/abort_request")
+async def abort_request(body: AbortRequestBody, request: Request) -> Response:
+    """Abort ``rid`` (exact match) or everything; replies once the abort took effect."""
+    if not body.rid and not body.abort_all:
+        raise ValueError("give a 'rid' to abort, or 'abort_all': true")
+    num_aborted = await _tm(request).abort_request_async(body.rid, body.abort_all)
+    return json_response({"success": True, "num_aborted": num_aborted})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = request.app.state
+    if not isinstance(state.metrics, ServerMetrics):
+        return error_response("Metrics are disabled; start the server with --enable-metrics", 404)
+    await state.metrics.refresh(_tm(request), state.scheduler_info.get("max_total_num_tokens"))
+    body, content_type = state.metrics.render()
+    return Response(body, media_type=content_type)
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI-compatible endpoints
+# ---------------------------------------------------------------------------------------------
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    return json_response(ModelList(data=[_model_card(_tm(request))]))
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> Response:
+    card = _model_card(_tm(request))
+    if model_id != card.id:
+        return error_response(f"The model '{model_id}' does not exist", 404, "model")
+    return json_response(card)
+
+
+@router.post("/v1/completions")
+async def openai_completions(body: CompletionRequest, request: Request) -> Response:
+    request.app.state.observer.log_request("/v1/completions", body)
+    return await request.app.state.serving_completion.handle(body, request)
+
+
+@router.post("/v1/chat/completions")
+async def openai_chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    request.app.state.observer.log_request("/v1/chat/completions", body)
+    return await request.app.state.serving_chat.handle(body, request)
+
+
+def _model_card(tm: Any) -> ModelCard:
+    return ModelCard(id=tm.served_model_name, root=tm.model_path, max_model_len=tm.context_len)
+
+
+def _probe_request(tm: Any, rid: str) -> GenerateReqInput:
+    """A one-token greedy request (health check and warm-up); token ids if no tokenizer."""
+    params = {"max_new_tokens": 1, "temperature": 0.0}
+    if tm.tokenizer is None:
+        return GenerateReqInput(input_ids=[0, 1, 2], sampling_params=params, rid=rid,
+                                log_metrics=False)
+    return GenerateReqInput(text="The capital city of France is", sampling_params=params,
+                            rid=rid, log_metrics=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# App and server
+# ---------------------------------------------------------------------------------------------
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Start the TokenizerManager inside uvicorn's loop; announce readiness in the background."""
+    state = app.state
+    state.tokenizer_manager.start()
+    state.tokenizer_manager.watch_processes(list(state.processes))
+    task = None
+    if state.uvicorn_server is not None:
+        task = asyncio.create_task(_announce_when_ready(app))
+    yield
+    if task is not None:
+        task.cancel()
+    await state.tokenizer_manager.close()
+
+
+async def _announce_when_ready(app: FastAPI) -> None:
+    """Wait for the socket to be bound, warm up (unless skipped), then mark the server ready."""
+    state = app.state
+    server = state.uvicorn_server
+    while not server.started:
+        await asyncio.sleep(0.05)
+    if not state.server_args.skip_server_warmup:
+        try:
+            await asyncio.wait_for(_warmup(state.tokenizer_manager), WARMUP_TIMEOUT_S)
+        except Exception:
+            logger.exception("Warm-up generation failed; shutting the server down")
+            state.failed = True
+            server.should_exit = True
+            return
+    state.ready = True
+    logger.info("The server is ready at %s", state.server_args.url())
+
+
+async def _warmup(tokenizer_manager: Any) -> None:
+    await _drain(tokenizer_manager.generate_request(
+        _probe_request(tokenizer_manager, f"WARMUP_{uuid.uuid4().hex}")))
+
+
+async def _drain(outputs: AsyncIterator[Any]) -> None:
+    async for _ in outputs:
+        pass
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _read_chat_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _fastapi_kwargs() -> dict[str, Any]:
+    # Parse JSON bodies sent without a Content-Type (as SGLang always has); only FastAPI
+    # versions that check the content type strictly know this option.
+    if "strict_content_type" in inspect.signature(FastAPI.__init__).parameters:
+        return {"strict_content_type": False}
+    return {}
+
+
+def create_app(
+    tokenizer_manager: Any,
+    server_args: ServerArgs,
+    processes: list[Any] | None = None,
+    scheduler_info: dict[str, Any] | None = None,
+    ready: bool = True,
+) -> FastAPI:
+    """The FastAPI app serving ``tokenizer_manager``.
+
+    ``processes`` (objects with ``pid`` and ``is_alive()``) are watched by /health. With
+    ``ready=False``, /health answers 503 until the warm-up run by ``launch_server`` is done.
+    """
+    app = FastAPI(title="SGLang", version=sglang.__version__, lifespan=_lifespan,
+                  **_fastapi_kwargs())
+    metrics = ServerMetrics() if server_args.enable_metrics else NoMetrics()
+    observer = RequestObserver(metrics, server_args.log_requests)
+    state = app.state
+    state.tokenizer_manager = tokenizer_manager
+    state.server_args = server_args
+    state.processes = list(processes or [])
+    state.scheduler_info = dict(scheduler_info or {})
+    state.metrics = metrics
+    state.observer = observer
+    state.ready = ready
+    state.failed = False
+    state.uvicorn_server = None
+    state.serving_completion = OpenAIServingCompletion(tokenizer_manager, observer)
+    state.serving_chat = OpenAIServingChat(
+        tokenizer_manager, observer, _read_chat_template(server_args.chat_template)
+    )
+    app.include_router(router)
+    add_error_handlers(app)
+    app.add_middleware(GuardMiddleware, api_key=server_args.api_key)
+    return app
+
+
+def launch_server(server_args: ServerArgs) -> None:
+    """Start the engine processes and serve HTTP until interrupted (blocks).
+
+    The engine processes are killed on exit, however the server stops. Raises SystemExit(1),
+    after logging why, when the engine fails to start or the warm-up generation fails.
+    """
+    import uvicorn
+
+    from sglang.srt.entrypoints.engine import launch_engine_processes
+
+    configure_logger(server_args.log_level)
+    try:
+        tokenizer_manager, scheduler_info, processes = launch_engine_processes(server_args)
+    except RuntimeError as e:
+        logger.error("The engine failed to start: %s", e)
+        raise SystemExit(1) from None
+    try:
+        app = create_app(tokenizer_manager, server_args, processes, scheduler_info, ready=False)
+        config = uvicorn.Config(
+            app, host=server_args.host, port=server_args.port,
+            log_level=server_args.log_level, access_log=False, timeout_keep_alive=5,
+            timeout_graceful_shutdown=5,
+        )
+        server = uvicorn.Server(config)
+        app.state.uvicorn_server = server
+        # uvicorn shuts down gracefully on SIGTERM, then re-raises it under the previous
+        # handler; the default one would end the process before the engine is killed below.
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+        server.run()
+    finally:
+        for proc in processes:
+            kill_process_tree(proc.pid)
+    if app.state.failed:
+        raise SystemExit(1)

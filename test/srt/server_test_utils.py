@@ -1,0 +1,89 @@
+"""Run ``python -m sglang.launch_server`` in a subprocess on a free port, for HTTP tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 180.0
+_PORT_ATTEMPTS = 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A server subprocess; ``url`` is its base URL. Use as a context manager: entering waits
+    until /health answers 200 (raising with the server's log if it dies or times out; a port
+    taken meanwhile by another process is retried on a new port), leaving stops it (SIGTERM,
+    then SIGKILL) and with it the engine processes."""
+
+    def __init__(self, model_path: str | Path, *extra_args: str,
+                 api_key: str | None = None) -> None:
+        self.api_key = api_key
+        self.base_args = [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
+            *extra_args, *(["--api-key", api_key] if api_key else []),
+        ]
+        self.port = 0
+        self.url = ""
+        self.log_path = Path(tempfile.mkdtemp(prefix="sglang-server-")) / "server.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def __enter__(self) -> ServerProcess:
+        for _ in range(_PORT_ATTEMPTS):
+            if self._start():
+                return self
+        raise RuntimeError(f"no free port found:\n{self.output()}")
+
+    def _start(self) -> bool:
+        """Launch on a fresh port; True once healthy, False if the port was taken."""
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ)
+        paths = [str(REPO_ROOT / "python"), str(REPO_ROOT / "sgl-kernel" / "python")]
+        env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([*self.base_args, "--port", str(self.port)],
+                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + STARTUP_TIMEOUT_S
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                if "address already in use" in self.output():
+                    return False
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return True
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.__exit__()
+        raise RuntimeError(f"server not ready after {STARTUP_TIMEOUT_S}s:\n{self.output()}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]

@@ -38,7 +38,6 @@ from sglang.srt.managers.io_struct import (
     FlushCacheReqOutput,
     GenerateReqInput,
     PauseGenerationReqInput,
-    PauseGenerationReqOutput,
 )
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.server_args import PortArgs, ServerArgs
@@ -394,7 +393,7 @@ async def _pause(
     )
     if not out.success:
         raise ValueError(out.message)
-    return pause_reply(out)
+    return out.to_reply()
 
 
 async def _continue(tm: TokenizerManager) -> dict[str, Any]:
@@ -404,16 +403,6 @@ async def _continue(tm: TokenizerManager) -> dict[str, Any]:
         "status": "ok",
         "was_paused": out.was_paused,
     }
-
-
-def pause_reply(out: PauseGenerationReqOutput) -> dict[str, Any]:
-    """The reply of a successful pause, as /pause_generation and Engine return it."""
-    reply = dataclasses.asdict(out)
-    for key in ("success", "req_id"):
-        reply.pop(key)
-    reply["message"] = "Generation paused successfully."
-    reply["status"] = "ok"
-    return reply
 
 
 def _make_request(args: dict[str, Any]) -> GenerateReqInput:

@@ -40,7 +40,11 @@ from sglang.srt.entrypoints.openai.serving_base import (
 )
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
-from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang.srt.managers.io_struct import (
+    ContinueGenerationReqInput,
+    GenerateReqInput,
+    PauseGenerationReqInput,
+)
 from sglang.srt.metrics import NoMetrics, ServerMetrics
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils import configure_logger, kill_process_tree
@@ -103,6 +107,15 @@ class GenerateRequest(BaseModel):
 class AbortRequestBody(BaseModel):
     rid: str = ""
     abort_all: bool = False
+    match_prefix: bool = False  # abort every rid that starts with ``rid``
+
+
+class PauseGenerationBody(BaseModel):
+    """Body of /pause_generation (see io_struct.PauseGenerationReqInput)."""
+
+    mode: str = "abort"
+    clear_cache: bool = False
+    timeout_s: float | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,8 +258,38 @@ async def abort_request(body: AbortRequestBody, request: Request) -> Response:
     """Abort ``rid`` (exact match) or everything; replies once the abort took effect."""
     if not body.rid and not body.abort_all:
         raise ValueError("give a 'rid' to abort, or 'abort_all': true")
-    num_aborted = await _tm(request).abort_request_async(body.rid, body.abort_all)
+    num_aborted = await _tm(request).abort_request_async(
+        body.rid, body.abort_all, body.match_prefix
+    )
     return json_response({"success": True, "num_aborted": num_aborted})
+
+
+@router.post("/pause_generation")
+async def pause_generation(request: Request, body: PauseGenerationBody | None = None) -> Response:
+    """Pause (abort | retract | in_place, or vLLM's keep | wait); 400 for an unknown mode."""
+    body = body or PauseGenerationBody()
+    out = await _tm(request).pause_generation(PauseGenerationReqInput(**body.model_dump()))
+    if not out.success:
+        raise ValueError(out.message)
+    return json_response(out.to_reply())
+
+
+@router.post("/continue_generation")
+async def continue_generation(request: Request) -> Response:
+    out = await _tm(request).continue_generation(ContinueGenerationReqInput())
+    return json_response(
+        {"message": "Generation continued successfully.", "status": "ok",
+         "was_paused": out.was_paused}
+    )
+
+
+@router.get("/is_paused")
+async def is_paused(request: Request) -> Response:
+    state = (await _tm(request).get_internal_state())[0]
+    return json_response(
+        {"is_paused": state["engine_paused"], "pause_mode": state["pause_mode"],
+         "paused_since": state["paused_since"]}
+    )
 
 
 @router.get("/metrics")

@@ -267,6 +267,19 @@ class PauseGenerationReqOutput:
     flushed: bool = False
     req_id: str = ""
 
+    def to_reply(self) -> dict[str, Any]:
+        """What /pause_generation and ``Engine.pause_generation`` return on success."""
+        return {
+            "message": "Generation paused successfully.",
+            "status": "ok",
+            "mode": self.mode,
+            "num_running": self.num_running,
+            "num_retracted": self.num_retracted,
+            "num_aborted": self.num_aborted,
+            "num_waiting": self.num_waiting,
+            "flushed": self.flushed,
+        }
+
 
 @dataclass
 class ContinueGenerationReqInput:

@@ -22,7 +22,10 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[
     low = min(1000, vocab_size // 4)  # skip the special tokens at the start of the vocabulary
     return [
         (
-            [rng.randrange(low, vocab_size) for _ in range(rng.randint(args.min_input, args.max_input))],
+            [
+                rng.randrange(low, vocab_size)
+                for _ in range(rng.randint(args.min_input, args.max_input))
+            ],
             rng.randint(args.min_output, args.max_output),
         )
         for _ in range(args.num_prompts)
@@ -33,8 +36,13 @@ def run_engine(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> t
     """(throughput tok/s on the workload, batch-1 decode tok/s)."""
     import sglang as sgl
 
-    engine = sgl.Engine(model_path=args.model_path, dtype=args.dtype, random_seed=0,
-                        log_level="warning", enable_deterministic_inference=args.deterministic)
+    engine = sgl.Engine(
+        model_path=args.model_path,
+        dtype=args.dtype,
+        random_seed=0,
+        log_level="warning",
+        enable_deterministic_inference=args.deterministic,
+    )
     try:
         params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
         engine.generate(input_ids=[work[0][0]], sampling_params=params)  # warm-up
@@ -74,16 +82,27 @@ def run_transformers(
         input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids, _ in chunk])
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in chunk])
         with torch.inference_mode():
-            model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
-                           max_new_tokens=max(n for _, n in chunk), min_new_tokens=None,
-                           pad_token_id=pad, eos_token_id=None)
+            model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=max(n for _, n in chunk),
+                min_new_tokens=None,
+                pad_token_id=pad,
+                eos_token_id=None,
+            )
         num_out += sum(n for _, n in chunk)
     throughput = num_out / (time.perf_counter() - start)
     prompt = torch.tensor([work[0][0][:32]])
     start = time.perf_counter()
     with torch.inference_mode():
-        model.generate(input_ids=prompt, do_sample=False, max_new_tokens=args.batch1_tokens,
-                       eos_token_id=None, pad_token_id=pad)
+        model.generate(
+            input_ids=prompt,
+            do_sample=False,
+            max_new_tokens=args.batch1_tokens,
+            eos_token_id=None,
+            pad_token_id=pad,
+        )
     batch1 = args.batch1_tokens / (time.perf_counter() - start)
     return throughput, batch1
 
@@ -100,8 +119,11 @@ def main() -> None:
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--batch1-tokens", type=int, default=128)
-    parser.add_argument("--deterministic", action="store_true",
-                        help="run the engine with --enable-deterministic-inference")
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="run the engine with --enable-deterministic-inference",
+    )
     parser.add_argument("--skip-hf", action="store_true", help="only run the engine")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -111,16 +133,20 @@ def main() -> None:
 
     vocab_size = AutoConfig.from_pretrained(args.model_path).vocab_size
     work = make_workload(args, vocab_size)
-    print(f"workload: {len(work)} prompts, {sum(len(i) for i, _ in work)} prompt tokens, "
-          f"{sum(n for _, n in work)} output tokens, dtype {args.dtype}")
+    print(
+        f"workload: {len(work)} prompts, {sum(len(i) for i, _ in work)} prompt tokens, "
+        f"{sum(n for _, n in work)} output tokens, dtype {args.dtype}"
+    )
     eng_tput, eng_b1 = run_engine(args, work)
     print(f"sglang.Engine     : {eng_tput:8.1f} out tok/s   batch-1 decode {eng_b1:6.1f} tok/s")
     if args.skip_hf:
         return
     hf_tput, hf_b1 = run_transformers(args, work)
     print(f"transformers      : {hf_tput:8.1f} out tok/s   batch-1 decode {hf_b1:6.1f} tok/s")
-    print(f"ratio (engine/hf) : throughput {eng_tput / hf_tput:.2f}x   "
-          f"batch-1 decode {eng_b1 / hf_b1:.2f}x")
+    print(
+        f"ratio (engine/hf) : throughput {eng_tput / hf_tput:.2f}x   "
+        f"batch-1 decode {eng_b1 / hf_b1:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -30,22 +30,14 @@ class VocabEmbedding(nn.Module):
 class ParallelLMHead(VocabEmbedding):
     """Holds the ``[vocab, hidden]`` output projection; LogitsProcessor multiplies by it.
 
-    Not called directly: logits are computed only for the rows that need them.
+    Not called directly: logits are computed only for the rows that need them. With
+    ``tie_word_embeddings`` a model uses its VocabEmbedding as the head instead of this class.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False) -> None:
         if bias:
             raise ValueError("an LM head bias is not supported")
         super().__init__(num_embeddings, embedding_dim)
-
-    def tie_to(self, embedding: VocabEmbedding) -> None:
-        """Share ``embedding``'s weight (tie_word_embeddings); mutates this module only."""
-        if embedding.weight.shape != self.weight.shape:
-            raise ValueError(
-                f"cannot tie LM head {tuple(self.weight.shape)} to embedding "
-                f"{tuple(embedding.weight.shape)}"
-            )
-        self.weight = embedding.weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is applied by LogitsProcessor, not called")

@@ -1,7 +1,9 @@
 """Attention with ``torch.nn.functional.scaled_dot_product_attention`` (the CPU path).
 
-DECODE is one SDPA call per layer for the whole batch. Per batch, the KV slots of every request
-are laid out in a padded ``[B, max_len]`` table (padding -> the dummy slot 0) with a key mask.
+DECODE is one SDPA call per layer for the whole batch (or, when a long tail of lengths would
+make padding costly, for each of a few length groups; see ``group_by_length``). Per batch, the
+KV slots of every request are laid out in a padded ``[B, max_len]`` table (padding -> the dummy
+slot 0) with a key mask.
 Per layer the K/V rows are gathered with one ``index_select`` and the query heads of each KV
 head are folded into SDPA's query-length axis::
 
@@ -34,11 +36,45 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
+# A request shorter than half its group's longest is split off into a new group when that
+# saves at least this many padded key slots (about the cost of one more gather + SDPA call).
+_MIN_SAVED_SLOTS = 4096
+
+
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor | None  # [b] batch rows in this group; None = the whole batch, in order
+    slot_ids: torch.Tensor  # [b * max_len] int64: KV slots row-major, padding -> dummy slot 0
+    mask: torch.Tensor | None  # [b, 1, 1, max_len] bool, True = real key; None if no padding
+    max_len: int  # longest sequence of the group
+
+
 @dataclass
 class DecodeMetadata:
-    slot_ids: torch.Tensor  # [B * max_len] int64: KV slots row-major, padding -> dummy slot 0
-    mask: torch.Tensor | None  # [B, 1, 1, max_len] bool, True = real key; None if no padding
-    max_len: int  # longest sequence of the batch
+    groups: list[DecodeGroup]  # one SDPA call each; together they cover every batch row once
+
+
+def group_by_length(seq_lens: list[int]) -> list[list[int]]:
+    """Partition batch rows into groups that are padded to their own longest sequence.
+
+    Rows are taken longest first; a new group starts at a row shorter than half of the current
+    group's longest when padding the remaining rows to that length would waste at least
+    ``_MIN_SAVED_SLOTS`` key slots. So a batch of similar lengths stays one group, and a long
+    tail costs at most 2x padding. Returns row lists in descending length order.
+    """
+    order = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
+    groups: list[list[int]] = []
+    group_max = 0
+    for pos, row in enumerate(order):
+        length = seq_lens[row]
+        remaining = len(order) - pos
+        if not groups or (
+            2 * length <= group_max and (group_max - length) * remaining >= _MIN_SAVED_SLOTS
+        ):
+            groups.append([])
+            group_max = length
+        groups[-1].append(row)
+    return groups
 
 
 @dataclass
@@ -69,15 +105,26 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     @staticmethod
     def _decode_metadata(forward_batch: ForwardBatch) -> DecodeMetadata:
-        seq_lens = forward_batch.seq_lens
-        max_len = max(forward_batch.seq_lens_cpu)
         table = forward_batch.req_to_token_pool.req_to_token
-        slots = table.index_select(0, forward_batch.req_pool_indices)[:, :max_len]
-        if min(forward_batch.seq_lens_cpu) == max_len:
-            return DecodeMetadata(slots.reshape(-1), None, max_len)
-        valid = torch.arange(max_len, device=seq_lens.device)[None, :] < seq_lens[:, None]
-        slots = slots.masked_fill(~valid, 0)
-        return DecodeMetadata(slots.reshape(-1), valid[:, None, None, :], max_len)
+        seq_lens_cpu = forward_batch.seq_lens_cpu
+        row_groups = group_by_length(seq_lens_cpu)
+        groups = []
+        for rows in row_groups:
+            max_len = seq_lens_cpu[rows[0]]
+            rows_t = None
+            pool_rows, seq_lens = forward_batch.req_pool_indices, forward_batch.seq_lens
+            if len(row_groups) > 1:  # with one group keep batch order: no gather/scatter of q
+                rows_t = torch.tensor(rows, dtype=torch.int64, device=table.device)
+                pool_rows = pool_rows.index_select(0, rows_t)
+                seq_lens = seq_lens.index_select(0, rows_t)
+            slots = table.index_select(0, pool_rows)[:, :max_len]
+            mask = None
+            if min(seq_lens_cpu[r] for r in rows) != max_len:
+                mask = torch.arange(max_len, device=table.device)[None, :] < seq_lens[:, None]
+                slots = slots.masked_fill(~mask, 0)
+                mask = mask[:, None, None, :]
+            groups.append(DecodeGroup(rows_t, slots.reshape(-1), mask, max_len))
+        return DecodeMetadata(groups)
 
     @staticmethod
     def _extend_metadata(forward_batch: ForwardBatch) -> ExtendMetadata:
@@ -122,18 +169,31 @@ class TorchNativeAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         self._store_kv(k, v, layer, forward_batch)
-        meta: DecodeMetadata = forward_batch.attn_metadata
+        groups = forward_batch.attn_metadata.groups
+        if groups[0].rows is None:
+            return self._decode_group(q, groups[0], layer, forward_batch)
+        out = torch.empty_like(q)
+        for group in groups:
+            group_q = q.index_select(0, group.rows)
+            out.index_copy_(0, group.rows, self._decode_group(group_q, group, layer, forward_batch))
+        return out
+
+    @staticmethod
+    def _decode_group(
+        q: torch.Tensor, group: DecodeGroup, layer: RadixAttention, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """One SDPA call for the rows of ``group``; ``q`` is ``[b, H*D]`` in group order."""
         batch_size = q.shape[0]
         num_kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
         k_cache, v_cache = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        kv_shape = (batch_size, meta.max_len, num_kv_heads, head_dim)
-        keys = k_cache.index_select(0, meta.slot_ids).view(kv_shape).transpose(1, 2)
-        values = v_cache.index_select(0, meta.slot_ids).view(kv_shape).transpose(1, 2)
+        kv_shape = (batch_size, group.max_len, num_kv_heads, head_dim)
+        keys = k_cache.index_select(0, group.slot_ids).view(kv_shape).transpose(1, 2)
+        values = v_cache.index_select(0, group.slot_ids).view(kv_shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            q.view(batch_size, num_kv_heads, -1, head_dim),
+            q.reshape(batch_size, num_kv_heads, -1, head_dim),
             keys.to(q.dtype),
             values.to(q.dtype),
-            attn_mask=meta.mask,
+            attn_mask=group.mask,
             scale=layer.scaling,
         )
         return out.reshape(batch_size, -1)
@@ -149,7 +209,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         k, v = self._store_kv(k, v, layer, forward_batch)
         meta: ExtendMetadata = forward_batch.attn_metadata
         k_cache, v_cache = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        q = q.view(-1, layer.num_heads, layer.head_dim)
+        q = q.reshape(-1, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
         for seg in meta.segments:
             if seg.slot_ids is None:

@@ -1,0 +1,257 @@
+"""Llama-family decoder (Llama, Mistral; Qwen2/Qwen3 reuse it with a different LlamaArch).
+
+One decoder layer::
+
+    hidden, residual = input_layernorm(hidden, residual)      # fused residual add
+    hidden = o_proj(attn(rope(q_norm?(q), k_norm?(k)), v))    # q,k,v from one qkv_proj matmul
+    hidden, residual = post_attention_layernorm(hidden, residual)
+    hidden = down_proj(silu(gate) * up)                       # gate,up from one gate_up_proj
+
+Sliding-window attention (old Mistral, some Qwen2 configs) is not implemented: attention is
+full, which is exact for sequences shorter than the window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from sglang.srt.layers.activation import SiluAndMul
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.linear import MergedLinear, QKVLinear, ReplicatedLinear
+from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_params_from_config
+from sglang.srt.layers.vocab_embedding import ParallelLMHead, VocabEmbedding
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+
+@dataclass(frozen=True)
+class LlamaArch:
+    """The knobs in which the Llama-family models differ."""
+
+    qkv_bias: bool = False  # bias on the q/k/v projections
+    o_bias: bool = False  # bias on the output projection
+    mlp_bias: bool = False  # bias on gate/up/down
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+
+
+def get_head_dim(config: PretrainedConfig) -> int:
+    """``config.head_dim`` when set, else ``hidden_size // num_attention_heads``."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    """Fused qkv projection, optional q/k norm, RoPE, paged attention, output projection."""
+
+    def __init__(
+        self, config: PretrainedConfig, layer_id: int, arch: LlamaArch, rotary_emb: RotaryEmbedding
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = get_head_dim(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, arch.qkv_bias
+        )
+        self.o_proj = ReplicatedLinear(self.q_size, config.hidden_size, arch.o_bias)
+        self.qk_norm = arch.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        # One instance (one cos/sin cache) shared by all layers; it holds no parameters.
+        self.rotary_emb = rotary_emb
+        self.attn = RadixAttention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
+        )
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).view(-1, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).view(-1, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, forward_batch))
+
+
+class LlamaMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(self, config: PretrainedConfig, arch: LlamaArch) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], arch.mlp_bias)
+        self.down_proj = ReplicatedLinear(size, config.hidden_size, arch.mlp_bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: PretrainedConfig, layer_id: int, arch: LlamaArch, rotary_emb: RotaryEmbedding
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, arch, rotary_emb)
+        self.mlp = LlamaMLP(config, arch)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        forward_batch: ForwardBatch,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(mlp output, residual stream)``; their sum is the layer's output."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (no LM head)."""
+
+    def __init__(self, config: PretrainedConfig, arch: LlamaArch) -> None:
+        super().__init__()
+        rope_theta, rope_scaling, partial_rotary_factor = rope_params_from_config(config)
+        rotary_emb = get_rope(
+            get_head_dim(config),
+            rope_theta,
+            config.max_position_embeddings,
+            rope_scaling,
+            partial_rotary_factor,
+        )
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, arch, rotary_emb) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Final-norm hidden states ``[num_tokens, hidden_size]``."""
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        if residual is None:  # a model without layers
+            return self.norm(hidden_states)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder + LM head. Subclasses change ``arch_from_config`` and nothing else."""
+
+    # HF checkpoint name fragment -> (fragment of our fused parameter, shard id in it).
+    stacked_params_mapping: ClassVar[tuple[tuple[str, str, Hashable], ...]] = (
+        (".q_proj.", ".qkv_proj.", "q"),
+        (".k_proj.", ".qkv_proj.", "k"),
+        (".v_proj.", ".qkv_proj.", "v"),
+        (".gate_proj.", ".gate_up_proj.", 0),
+        (".up_proj.", ".gate_up_proj.", 1),
+    )
+    # Checkpoint tensors that are not parameters here (recomputed buffers).
+    ignored_weight_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+
+    @classmethod
+    def arch_from_config(cls, config: PretrainedConfig) -> LlamaArch:
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return LlamaArch(
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        )
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.arch_from_config(config))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            # Same module, same Parameter: named_parameters() lists it once, as the embedding.
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.logits_processor = LogitsProcessor(config)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> LogitsProcessorOutput:
+        """Run all layers over the batch's new tokens (writing their K/V to the pool)."""
+        hidden_states = self.model(input_ids, positions, forward_batch)
+        return self.logits_processor(hidden_states, self.lm_head.weight, forward_batch)
+
+    def _map_weight_name(self, name: str) -> tuple[str, Hashable | None]:
+        for checkpoint_part, fused_part, shard_id in self.stacked_params_mapping:
+            if checkpoint_part in name:
+                return name.replace(checkpoint_part, fused_part), shard_id
+        return name, None
+
+    def _required_shards(self, param_name: str) -> set[Hashable | None]:
+        shards = {s for _, fused, s in self.stacked_params_mapping if fused in param_name}
+        return shards or {None}
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True
+    ) -> None:
+        """Copy HF-named checkpoint tensors into the parameters (in place).
+
+        Raises ValueError for a name that maps to no parameter and, when ``strict``, for a
+        parameter (or fused shard) that no tensor filled. ``strict=False`` allows partial
+        updates, e.g. weight buckets pushed by a trainer.
+        """
+        params = dict(self.named_parameters())
+        loaded: dict[str, set[Hashable | None]] = {}
+        for name, tensor in weights:
+            if name.endswith(self.ignored_weight_suffixes):
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue  # tied: the embedding is the head
+            param_name, shard_id = self._map_weight_name(name)
+            param = params.get(param_name)
+            if param is None:
+                raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+            param.weight_loader(param, tensor, shard_id)
+            loaded.setdefault(param_name, set()).add(shard_id)
+        if strict:
+            self._check_all_loaded(params, loaded)
+
+    def _check_all_loaded(
+        self, params: dict[str, Any], loaded: dict[str, set[Hashable | None]]
+    ) -> None:
+        missing = []
+        for param_name in params:
+            got = loaded.get(param_name, set())
+            if None in got:  # loaded whole (an already fused checkpoint tensor)
+                continue
+            absent = self._required_shards(param_name) - got
+            missing += [param_name if s is None else f"{param_name}[{s}]" for s in absent]
+        if missing:
+            raise ValueError(f"weights not found in the checkpoint: {sorted(missing)}")
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral checkpoints use Llama's layout and weight names."""
+
+
+EntryClass = [LlamaForCausalLM, MistralForCausalLM]

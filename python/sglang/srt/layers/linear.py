@@ -76,6 +76,8 @@ class ReplicatedLinear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        # The product used by forward(); deterministic mode swaps in batch_invariant_linear.
+        self.linear_fn = F.linear
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self._make_loader()
         if bias:
@@ -90,7 +92,7 @@ class ReplicatedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # F.linear dispatches to the fused addmm path (MKL/oneDNN on CPU, cuBLAS on GPU).
-        return F.linear(x, self.weight, self.bias)
+        return self.linear_fn(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

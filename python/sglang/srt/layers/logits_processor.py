@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.layers.sampler import row_logsumexp
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 # Prompt-logprob rows are processed in chunks so the float32 [rows, vocab] block stays below
@@ -36,10 +37,12 @@ class LogitsProcessor(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+        # The product used for logits; deterministic mode swaps in batch_invariant_linear.
+        self.linear_fn = F.linear
 
     def _logits(self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         # The matmul runs in the model dtype (as HF does); sampling math is float32 from here on.
-        logits = F.linear(hidden_states, lm_head_weight).float()
+        logits = self.linear_fn(hidden_states, lm_head_weight).float()
         if self.final_logit_softcapping:
             cap = float(self.final_logit_softcapping)
             logits = torch.tanh(logits / cap) * cap
@@ -84,9 +87,9 @@ class LogitsProcessor(nn.Module):
         token_logprobs, top_vals, top_idx = [], [], []
         for start in range(0, rows.numel(), chunk):
             chunk_rows = rows[start : start + chunk]
-            logprobs = torch.log_softmax(
-                self._logits(hidden_states.index_select(0, chunk_rows), lm_head_weight), dim=-1
-            )
+            logits = self._logits(hidden_states.index_select(0, chunk_rows), lm_head_weight)
+            # The sampler's logsumexp: prompt logprobs equal decode logprobs bit for bit.
+            logprobs = logits - row_logsumexp(logits).unsqueeze(1)
             chunk_targets = targets[start : start + chunk].unsqueeze(1)
             token_logprobs.append(logprobs.gather(1, chunk_targets).squeeze(1))
             if top_k > 0:

@@ -12,6 +12,7 @@ import torch
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.attention import get_attention_backend_class
+from sglang.srt.layers.batch_invariant import enable_batch_invariant_mode
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -58,7 +59,12 @@ class ModelRunner:
             self.device,
             debug=server_args.log_level == "debug",
         )
-        self.attn_backend = get_attention_backend_class(server_args.attention_backend)()
+        backend = server_args.attention_backend
+        if server_args.enable_deterministic_inference:
+            backend = f"{backend}_deterministic"
+            if not enable_batch_invariant_mode(self.model):
+                raise RuntimeError("deterministic mode: the model has no switchable linear layer")
+        self.attn_backend = get_attention_backend_class(backend)()
         logger.info(
             "KV pool: %d tokens (%.1f MiB), max running requests %d",
             self.max_total_num_tokens,

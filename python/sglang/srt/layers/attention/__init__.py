@@ -7,6 +7,10 @@ import importlib
 # name -> "module:Class", or None for backends that are known but not built here.
 _BACKENDS: dict[str, str | None] = {
     "torch_native": "sglang.srt.layers.attention.torch_native_backend:TorchNativeAttnBackend",
+    # Chosen by --enable-deterministic-inference (batch-invariant, prefill/decode-consistent).
+    "torch_native_deterministic": (
+        "sglang.srt.layers.attention.deterministic_backend:DeterministicAttnBackend"
+    ),
     "triton": None,
     "flashinfer": None,
 }

@@ -107,25 +107,30 @@ def run_transformers(
     return throughput, batch1
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-path", required=True)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--threads", type=int, default=2, help="torch threads for transformers")
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload flags shared with bench_deterministic.py."""
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--min-input", type=int, default=20)
     parser.add_argument("--max-input", type=int, default=400)
     parser.add_argument("--min-output", type=int, default=32)
     parser.add_argument("--max-output", type=int, default=256)
-    parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--batch1-tokens", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2, help="torch threads for transformers")
+    add_workload_args(parser)
+    parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument(
         "--deterministic",
         action="store_true",
         help="run the engine with --enable-deterministic-inference",
     )
     parser.add_argument("--skip-hf", action="store_true", help="only run the engine")
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -51,22 +51,32 @@ def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
     rng = random.Random(args.seed)
     # Skip the start of the vocabulary, where tokenizers keep their special tokens.
     low = min(1000, vocab_size // 4)
-    return [[rng.randrange(low, vocab_size) for _ in range(args.input_len)]
-            for _ in range(args.num_prompts)]
+    return [
+        [rng.randrange(low, vocab_size) for _ in range(args.input_len)]
+        for _ in range(args.num_prompts)
+    ]
 
 
 def request_body(args: argparse.Namespace, prompt: list[int]) -> tuple[str, dict]:
     """(path, JSON body) of one streamed request for the chosen API."""
     if args.api == "openai":
         return "/v1/completions", {
-            "model": "default", "prompt": prompt, "max_tokens": args.output_len,
-            "temperature": args.temperature, "ignore_eos": True, "stream": True,
+            "model": "default",
+            "prompt": prompt,
+            "max_tokens": args.output_len,
+            "temperature": args.temperature,
+            "ignore_eos": True,
+            "stream": True,
             "stream_options": {"include_usage": True},
         }
     return "/generate", {
-        "input_ids": prompt, "stream": True,
-        "sampling_params": {"max_new_tokens": args.output_len, "temperature": args.temperature,
-                            "ignore_eos": True},
+        "input_ids": prompt,
+        "stream": True,
+        "sampling_params": {
+            "max_new_tokens": args.output_len,
+            "temperature": args.temperature,
+            "ignore_eos": True,
+        },
     }
 
 
@@ -79,8 +89,9 @@ def tokens_so_far(api: str, event: dict, previous: int) -> int:
     return event["meta_info"]["completion_tokens"]
 
 
-async def send_one(client: httpx.AsyncClient, args: argparse.Namespace,
-                   prompt: list[int]) -> RequestResult:
+async def send_one(
+    client: httpx.AsyncClient, args: argparse.Namespace, prompt: list[int]
+) -> RequestResult:
     """Stream one request; ITL of an event carrying k tokens is its gap / k, counted k times."""
     path, body = request_body(args, prompt)
     result = RequestResult(ok=False, prompt_len=len(prompt))
@@ -93,7 +104,7 @@ async def send_one(client: httpx.AsyncClient, args: argparse.Namespace,
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                event = json.loads(line[len("data: "):])
+                event = json.loads(line[len("data: ") :])
                 if "error" in event:
                     result.error = event["error"]["message"]
                     return result
@@ -114,8 +125,9 @@ async def send_one(client: httpx.AsyncClient, args: argparse.Namespace,
     return result
 
 
-async def run_load(args: argparse.Namespace, prompts: list[list[int]], rate: float,
-                   max_concurrency: int | None) -> tuple[list[RequestResult], float]:
+async def run_load(
+    args: argparse.Namespace, prompts: list[list[int]], rate: float, max_concurrency: int | None
+) -> tuple[list[RequestResult], float]:
     """Send every prompt (Poisson arrivals at ``rate``); returns results and wall time."""
     rng = random.Random(args.seed)
     limit = asyncio.Semaphore(max_concurrency or len(prompts))
@@ -123,8 +135,9 @@ async def run_load(args: argparse.Namespace, prompts: list[list[int]], rate: flo
     timeout = httpx.Timeout(args.timeout)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
 
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=timeout,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=args.base_url, headers=headers, timeout=timeout, limits=limits
+    ) as client:
 
         async def limited(prompt: list[int]) -> RequestResult:
             async with limit:
@@ -159,28 +172,41 @@ def report(title: str, results: list[RequestResult], duration: float) -> float:
     print(f"input throughput         {sum(r.prompt_len for r in ok) / duration:.1f} tok/s")
     print(f"output throughput        {throughput:.1f} tok/s")
     for name, values in (("TTFT", ttfts), ("ITL", itls), ("E2E latency", e2es)):
-        print(f"{name:<12} (ms)        median {percentile(values, 50):9.1f}   "
-              f"p99 {percentile(values, 99):9.1f}")
+        print(
+            f"{name:<12} (ms)        median {percentile(values, 50):9.1f}   "
+            f"p99 {percentile(values, 99):9.1f}"
+        )
     return throughput
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:30000")
-    parser.add_argument("--api", choices=("native", "openai"), default="native",
-                        help="native: POST /generate; openai: POST /v1/completions")
+    parser.add_argument(
+        "--api",
+        choices=("native", "openai"),
+        default="native",
+        help="native: POST /generate; openai: POST /v1/completions",
+    )
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--request-rate", type=float, default=float("inf"),
-                        help="requests per second (Poisson); inf sends all at once")
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second (Poisson); inf sends all at once",
+    )
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
-    parser.add_argument("--compare-sequential", action="store_true",
-                        help="also send the requests one at a time and print the speed-up")
+    parser.add_argument(
+        "--compare-sequential",
+        action="store_true",
+        help="also send the requests one at a time and print the speed-up",
+    )
     return parser.parse_args()
 
 
@@ -190,7 +216,8 @@ def main() -> None:
     info = httpx.get(args.base_url + "/get_server_info", headers=headers, timeout=60).json()
     prompts = make_prompts(args, info["vocab_size"])
     results, duration = asyncio.run(
-        run_load(args, prompts, args.request_rate, args.max_concurrency))
+        run_load(args, prompts, args.request_rate, args.max_concurrency)
+    )
     rate = "all at once" if args.request_rate == float("inf") else f"{args.request_rate} req/s"
     served = report(f"{args.num_prompts} requests, {rate}", results, duration)
     if args.compare_sequential:

@@ -25,7 +25,7 @@ _CORPUS = [
     "What is the capital of France? The capital of France is Paris.",
     "Reinforcement learning trains a policy from rewards; rollouts are paused to sync weights.",
     "Once upon a time there was a tiny language model that liked to count: 1 2 3 4 5 6 7 8 9 10.",
-    "def add(a, b):\n    return a + b\n# Python code, JSON {\"key\": [1, 2, 3]} and ünïcödé 你好.",
+    'def add(a, b):\n    return a + b\n# Python code, JSON {"key": [1, 2, 3]} and ünïcödé 你好.',
 ] * 20
 
 
@@ -95,7 +95,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pa
     def make(arch: str = "llama", **overrides: object) -> Path:
         key = (arch, tuple(sorted(overrides.items())))
         if key not in cache:
-            cache[key] = write_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **overrides)
+            cache[key] = write_tiny_model(
+                tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **overrides
+            )
         return cache[key]
 
     return make

@@ -14,8 +14,13 @@ NUM_NEW = 24
 PARAM_SETS = {
     "greedy": {"temperature": 0},
     "seeded": {"temperature": 1.0, "sampling_seed": 1234},
-    "truncated": {"temperature": 1.0, "top_k": 20, "top_p": 0.9, "min_p": 0.05,
-                  "sampling_seed": 99},
+    "truncated": {
+        "temperature": 1.0,
+        "top_k": 20,
+        "top_p": 0.9,
+        "min_p": 0.05,
+        "sampling_seed": 99,
+    },
 }
 
 
@@ -37,8 +42,9 @@ def _run(engine: sgl.Engine, prompts: list[list[int]], params: dict | list[dict]
 
 
 def _engine(model_dir: object, **kw: object) -> sgl.Engine:
-    return sgl.Engine(model_path=str(model_dir), enable_deterministic_inference=True,
-                      random_seed=0, **kw)
+    return sgl.Engine(
+        model_path=str(model_dir), enable_deterministic_inference=True, random_seed=0, **kw
+    )
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -96,8 +102,12 @@ def test_prefill_logprobs_equal_decode_logprobs(engine, name: str) -> None:
     rng = random.Random(4)
     prompt = _rand_prompt(rng, 50)
     ids, logprobs = _run(engine, [prompt], _params(name))[0]
-    out = engine.generate(input_ids=prompt + ids, sampling_params={"max_new_tokens": 1},
-                          return_logprob=True, logprob_start_len=len(prompt))
+    out = engine.generate(
+        input_ids=prompt + ids,
+        sampling_params={"max_new_tokens": 1},
+        return_logprob=True,
+        logprob_start_len=len(prompt),
+    )
     prefill = out["meta_info"]["input_token_logprobs"]
     assert [t for _, t, _ in prefill] == ids
     assert [lp for lp, _, _ in prefill] == logprobs  # bitwise
@@ -131,6 +141,10 @@ def test_smollm2_batch_and_decode_consistency(smollm2_dir) -> None:
         alone = _run(eng, [target], _params("seeded", 12))[0]
         batch = [_rand_prompt(rng, 60), target, _rand_prompt(rng, 9)]
         assert _run(eng, batch, _params("seeded", 12))[1] == alone
-        out = eng.generate(input_ids=target + alone[0], sampling_params={"max_new_tokens": 1},
-                           return_logprob=True, logprob_start_len=len(target))
+        out = eng.generate(
+            input_ids=target + alone[0],
+            sampling_params={"max_new_tokens": 1},
+            return_logprob=True,
+            logprob_start_len=len(target),
+        )
         assert [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"]] == alone[1]

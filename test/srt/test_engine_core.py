@@ -44,7 +44,11 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], num_new: int) -> list[d
                 logprobs.append(lp[-1, nxt].item())
                 ids.append(nxt)
             outs.append(
-                {"ids": ids[len(prompt) :], "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+                {
+                    "ids": ids[len(prompt) :],
+                    "logprobs": logprobs,
+                    "prompt_logprobs": prompt_logprobs,
+                }
             )
     return outs
 
@@ -99,8 +103,9 @@ def test_logprobs_match_transformers(tiny_model_dir) -> None:
     prompts = _prompts(seed=1, n=3)
     expected = hf_greedy(model_dir, prompts, NUM_NEW)
     with sgl.Engine(model_path=str(model_dir), chunked_prefill_size=8) as engine:
-        outs = _generate(engine, prompts, return_logprob=True, logprob_start_len=0,
-                         top_logprobs_num=3)
+        outs = _generate(
+            engine, prompts, return_logprob=True, logprob_start_len=0, top_logprobs_num=3
+        )
         tail = _generate(engine, prompts, return_logprob=True, logprob_start_len=2)
     for out, exp, prompt in zip(outs, expected, prompts):
         meta = out["meta_info"]
@@ -130,8 +135,9 @@ def test_retraction_under_memory_pressure(tiny_model_dir) -> None:
     with sgl.Engine(model_path=str(model_dir)) as roomy:
         expected = roomy.generate(input_ids=prompts, sampling_params=params)
     # 8 x 60 tokens do not fit in 160 slots: decoding must retract and re-prefill requests.
-    with sgl.Engine(model_path=str(model_dir), max_total_tokens=160,
-                    max_running_requests=8) as tight:
+    with sgl.Engine(
+        model_path=str(model_dir), max_total_tokens=160, max_running_requests=8
+    ) as tight:
         outs = tight.generate(input_ids=prompts, sampling_params=params)
         state = tight.get_server_info()["internal_states"][0]
     assert [o["output_ids"] for o in outs] == [e["output_ids"] for e in expected]
@@ -168,6 +174,7 @@ def test_bad_arguments_raise_clear_errors(tiny_model_dir, tmp_path: Path) -> Non
         with pytest.raises(ValueError, match="context|long"):
             engine.generate(input_ids=list(range(3, 100)), sampling_params={"max_new_tokens": 4})
         # the engine still serves after the rejection
-        out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3,
-                                                                    "ignore_eos": True})
+        out = engine.generate(
+            input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3, "ignore_eos": True}
+        )
         assert len(out["output_ids"]) == 3

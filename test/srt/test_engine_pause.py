@@ -41,12 +41,22 @@ def _wait_for(pred: Callable[[], bool], timeout: float = 20.0) -> None:
         time.sleep(0.005)
 
 
-def _submit(engine: sgl.Engine, pool: ThreadPoolExecutor, n: int = NUM_REQS,
-            max_new: int = MAX_NEW, **kw: object) -> list[Future]:
+def _submit(
+    engine: sgl.Engine,
+    pool: ThreadPoolExecutor,
+    n: int = NUM_REQS,
+    max_new: int = MAX_NEW,
+    **kw: object,
+) -> list[Future]:
     params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
     return [
-        pool.submit(engine.generate, input_ids=[10 + i, 20, 30, 40 + i], sampling_params=params,
-                    return_logprob=True, **kw)
+        pool.submit(
+            engine.generate,
+            input_ids=[10 + i, 20, 30, 40 + i],
+            sampling_params=params,
+            return_logprob=True,
+            **kw,
+        )
         for i in range(n)
     ]
 
@@ -258,18 +268,25 @@ def test_stress_random_control_calls(engine) -> None:
     num = 24
     with ThreadPoolExecutor(num) as pool:
         futs = [
-            pool.submit(engine.generate, input_ids=[rng.randrange(3, 400) for _ in range(9)],
-                        sampling_params={"max_new_tokens": rng.randint(5, 120),
-                                         "ignore_eos": True, "temperature": 1.0},
-                        rid=f"stress-{i}")
+            pool.submit(
+                engine.generate,
+                input_ids=[rng.randrange(3, 400) for _ in range(9)],
+                sampling_params={
+                    "max_new_tokens": rng.randint(5, 120),
+                    "ignore_eos": True,
+                    "temperature": 1.0,
+                },
+                rid=f"stress-{i}",
+            )
             for i in range(num)
         ]
         stop = threading.Event()
 
         def driver() -> None:
             while not stop.is_set():
-                action = rng.choice(["retract", "in_place", "abort", "continue", "flush",
-                                     "abort_one"])
+                action = rng.choice(
+                    ["retract", "in_place", "abort", "continue", "flush", "abort_one"]
+                )
                 if action in ("retract", "in_place", "abort"):
                     engine.pause_generation(mode=action)
                 elif action == "continue":

@@ -37,8 +37,11 @@ def _wait_running(server: ServerProcess, n: int) -> None:
 
 
 def _generate(server: ServerProcess, i: int, max_new: int = MAX_NEW) -> dict:
-    body = {"input_ids": [11 + i, 12, 13], "return_logprob": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}}
+    body = {
+        "input_ids": [11 + i, 12, 13],
+        "return_logprob": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True},
+    }
     r = _post(server, "/generate", body)
     assert r.status_code == 200, r.text
     return r.json()
@@ -63,8 +66,11 @@ def test_retract_pause_and_continue_over_http(server: ServerProcess) -> None:
         assert paused["is_paused"] and paused["pause_mode"] == "retract"
         assert _post(server, "/flush_cache").status_code == 200  # nothing holds KV now
         r = _post(server, "/continue_generation")
-        assert r.json() == {"message": "Generation continued successfully.", "status": "ok",
-                            "was_paused": True}
+        assert r.json() == {
+            "message": "Generation continued successfully.",
+            "status": "ok",
+            "was_paused": True,
+        }
         outs = [f.result(timeout=60) for f in futs]
     for out in outs:
         meta = out["meta_info"]
@@ -92,10 +98,18 @@ def test_bad_pause_bodies_are_400_and_state_unchanged(server: ServerProcess) -> 
     r = _post(server, "/pause_generation", {"mode": "sideways"})
     assert r.status_code == 400 and "sideways" in r.json()["error"]["message"]
     assert _post(server, "/pause_generation", {"mode": 3}).status_code == 400
-    assert _post(server, "/pause_generation", {"mode": "in_place", "clear_cache": True}
-                 ).status_code == 400
-    assert _post(server, "/pause_generation", content=b"{not json",
-                 ).status_code == 400
+    assert (
+        _post(server, "/pause_generation", {"mode": "in_place", "clear_cache": True}).status_code
+        == 400
+    )
+    assert (
+        _post(
+            server,
+            "/pause_generation",
+            content=b"{not json",
+        ).status_code
+        == 400
+    )
     assert not _state(server)["engine_paused"]
     # continue without a pause is fine, and the server still generates
     assert _post(server, "/continue_generation").json()["was_paused"] is False
@@ -105,11 +119,18 @@ def test_bad_pause_bodies_are_400_and_state_unchanged(server: ServerProcess) -> 
 def test_paused_admission_reject(tiny_model_dir: object) -> None:
     model: Path = tiny_model_dir("llama")
     with ServerProcess(model, "--skip-server-warmup", "--paused-admission", "reject") as s:
-        assert httpx.post(s.url + "/pause_generation", json={"mode": "in_place"},
-                          timeout=30).status_code == 200
+        assert (
+            httpx.post(
+                s.url + "/pause_generation", json={"mode": "in_place"}, timeout=30
+            ).status_code
+            == 200
+        )
         r = httpx.post(s.url + "/generate", json={"input_ids": [1, 2, 3]}, timeout=30)
         assert r.status_code == 503 and r.headers.get("retry-after")
         httpx.post(s.url + "/continue_generation", timeout=30)
-        r = httpx.post(s.url + "/generate", json={"input_ids": [1, 2, 3],
-                       "sampling_params": {"max_new_tokens": 2}}, timeout=30)
+        r = httpx.post(
+            s.url + "/generate",
+            json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}},
+            timeout=30,
+        )
         assert r.status_code == 200

@@ -311,3 +311,23 @@ def test_stress_random_control_calls(engine) -> None:
     _wait_for(lambda: _state(engine)["running_batch_size"] == 0)
     assert engine.flush_cache().success
     assert _state(engine)["available_kv_tokens"] == initial
+
+
+def test_pause_abort_races_tokenization(engine) -> None:
+    """A pause racing a big batch still being tokenized: every request ends exactly once."""
+    texts = [f"request {i} " + "lorem ipsum dolor " * 60 for i in range(16)]
+    params = {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(engine.generate, texts, params, return_logprob=True)
+        reply = engine.pause_generation(mode="abort")
+        engine.continue_generation()
+        outs = fut.result(timeout=60)
+    assert len(outs) == len(texts)
+    aborted = [o for o in outs if o["meta_info"]["finish_reason"]["type"] == "abort"]
+    assert len(aborted) == reply["num_aborted"]
+    for out in outs:
+        assert len(out["output_ids"]) == out["meta_info"]["completion_tokens"]
+        if out not in aborted:
+            _check_complete(out, 64)
+    state = _state(engine)
+    assert state["running_batch_size"] == 0 and state["waiting_queue_size"] == 0

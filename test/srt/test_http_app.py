@@ -39,8 +39,9 @@ class FakeTokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(f"w{i} " for i in ids)
 
-    def apply_chat_template(self, messages: list[dict], tokenize: bool,
-                            add_generation_prompt: bool, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], tokenize: bool, add_generation_prompt: bool, **kwargs: Any
+    ) -> str:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return text + ("assistant:" if add_generation_prompt else "")
 
@@ -70,8 +71,9 @@ class FakeTokenizerManager:
     async def close(self) -> None:
         """Nothing to close."""
 
-    async def generate_request(self, obj: GenerateReqInput,
-                               request: Any = None) -> AsyncIterator[Any]:
+    async def generate_request(
+        self, obj: GenerateReqInput, request: Any = None
+    ) -> AsyncIterator[Any]:
         if self.fail_with is not None:
             raise self.fail_with
         obj.normalize_batch_and_arguments()
@@ -110,9 +112,14 @@ class FakeTokenizerManager:
         return single, list(ids), params
 
     def _new_output(self, single: GenerateReqInput, ids: list[int]) -> dict[str, Any]:
-        meta: dict[str, Any] = {"id": single.rid, "finish_reason": None,
-                                "prompt_tokens": len(ids), "completion_tokens": 0,
-                                "cached_tokens": 0, "weight_version": "default"}
+        meta: dict[str, Any] = {
+            "id": single.rid,
+            "finish_reason": None,
+            "prompt_tokens": len(ids),
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "weight_version": "default",
+        }
         if single.return_logprob:
             meta["output_token_logprobs"] = []
             if single.top_logprobs_num:
@@ -121,8 +128,9 @@ class FakeTokenizerManager:
             meta["output_token_entropy"] = []
         return {"text": "", "output_ids": [], "meta_info": meta}
 
-    def _step(self, single: GenerateReqInput, ids: list[int], params: SamplingParams,
-              out: dict[str, Any]) -> None:
+    def _step(
+        self, single: GenerateReqInput, ids: list[int], params: SamplingParams, out: dict[str, Any]
+    ) -> None:
         meta = out["meta_info"]
         if single.rid in self.aborted:
             meta["finish_reason"] = {"type": "abort", "message": "Aborted"}
@@ -145,11 +153,16 @@ class FakeTokenizerManager:
             meta["finish_reason"] = {"type": "length", "length": params.max_new_tokens}
             self.active.pop(single.rid, None)
 
-    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+    def abort_request(
+        self, rid: str = "", abort_all: bool = False, match_prefix: bool = False
+    ) -> None:
         self.aborted.update(self.active if abort_all else [rid])
 
-    async def abort_request_async(self, rid: str = "", abort_all: bool = False) -> int:
-        targets = list(self.active) if abort_all else [r for r in self.active if r == rid]
+    async def abort_request_async(
+        self, rid: str = "", abort_all: bool = False, match_prefix: bool = False
+    ) -> int:
+        matches = (lambda r: r.startswith(rid)) if match_prefix else (lambda r: r == rid)
+        targets = list(self.active) if abort_all else [r for r in self.active if matches(r)]
         self.aborted.update(targets)
         while any(r in self.active for r in targets):
             await asyncio.sleep(0.001)
@@ -161,9 +174,15 @@ class FakeTokenizerManager:
         return FlushCacheReqOutput(success=True)
 
     async def get_internal_state(self) -> list[dict[str, Any]]:
-        return [{"available_kv_tokens": KV_TOKENS - sum(self.active.values()),
-                 "max_total_num_tokens": KV_TOKENS, "running_batch_size": len(self.active),
-                 "waiting_queue_size": 0, "weight_version": "default"}]
+        return [
+            {
+                "available_kv_tokens": KV_TOKENS - sum(self.active.values()),
+                "max_total_num_tokens": KV_TOKENS,
+                "running_batch_size": len(self.active),
+                "waiting_queue_size": 0,
+                "weight_version": "default",
+            }
+        ]
 
 
 def _free_port() -> int:
@@ -176,8 +195,9 @@ class _Server:
     def __init__(self, **args: Any) -> None:
         self.tm = FakeTokenizerManager()
         port = _free_port()
-        self.server_args = ServerArgs(model_path="/models/fake", port=port, device="cpu",
-                                      enable_metrics=True, **args)
+        self.server_args = ServerArgs(
+            model_path="/models/fake", port=port, device="cpu", enable_metrics=True, **args
+        )
         self.app = create_app(self.tm, self.server_args)
         self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
@@ -213,15 +233,19 @@ def _sse_events(raw: bytes) -> list[str]:
     assert raw.endswith(b"\n\n")
     events = raw.decode().split("\n\n")[:-1]
     assert all(e.startswith("data: ") and "\n" not in e for e in events), events
-    return [e[len("data: "):] for e in events]
+    return [e[len("data: ") :] for e in events]
 
 
 # ---- native endpoints --------------------------------------------------------------------------
 def test_health_and_info(server: _Server) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
     info = httpx.get(server.url + "/get_model_info").json()
-    assert info == {"model_path": "/models/fake", "tokenizer_path": "/models/fake",
-                    "is_generation": True, "weight_version": "default"}
+    assert info == {
+        "model_path": "/models/fake",
+        "tokenizer_path": "/models/fake",
+        "is_generation": True,
+        "weight_version": "default",
+    }
     server_info = httpx.get(server.url + "/get_server_info").json()
     assert server_info["port"] == server.server_args.port
     assert server_info["internal_states"][0]["available_kv_tokens"] == KV_TOKENS
@@ -244,21 +268,26 @@ def test_health_generate(server: _Server) -> None:
 
 
 def test_generate_single_and_batch(server: _Server) -> None:
-    r = httpx.post(server.url + "/generate",
-                   json={"text": "hi", "sampling_params": {"max_new_tokens": 3}})
+    r = httpx.post(
+        server.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 3}}
+    )
     assert r.status_code == 200
     out = r.json()
     assert out["output_ids"] == [12, 13, 14]
     assert out["text"] == "w12 w13 w14 "
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
-    r = httpx.post(server.url + "/generate",
-                   json={"input_ids": [[1], [1, 2]], "sampling_params": {"max_new_tokens": 2}})
+    r = httpx.post(
+        server.url + "/generate",
+        json={"input_ids": [[1], [1, 2]], "sampling_params": {"max_new_tokens": 2}},
+    )
     assert [o["output_ids"] for o in r.json()] == [[11, 12], [12, 13]]
 
 
 def test_generate_stream_framing(server: _Server) -> None:
-    r = httpx.post(server.url + "/generate",
-                   json={"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 4}})
+    r = httpx.post(
+        server.url + "/generate",
+        json={"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 4}},
+    )
     assert r.headers["content-type"].startswith("text/event-stream")
     events = _sse_events(r.content)
     assert events[-1] == "[DONE]"
@@ -270,8 +299,12 @@ def test_generate_stream_framing(server: _Server) -> None:
 def test_stream_disconnect_aborts(server: _Server) -> None:
     server.tm.step_s = 0.01
     try:
-        body = {"text": "hi", "stream": True, "rid": "gone",
-                "sampling_params": {"max_new_tokens": 10_000}}
+        body = {
+            "text": "hi",
+            "stream": True,
+            "rid": "gone",
+            "sampling_params": {"max_new_tokens": 10_000},
+        }
         with httpx.stream("POST", server.url + "/generate", json=body) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
@@ -288,8 +321,11 @@ def test_abort_request_endpoint(server: _Server) -> None:
     server.tm.step_s = 0.01
 
     def long_request() -> dict:
-        return httpx.post(server.url + "/generate", timeout=30, json={
-            "text": "hi", "rid": "victim", "sampling_params": {"max_new_tokens": 10_000}}).json()
+        return httpx.post(
+            server.url + "/generate",
+            timeout=30,
+            json={"text": "hi", "rid": "victim", "sampling_params": {"max_new_tokens": 10_000}},
+        ).json()
 
     try:
         result: dict = {}
@@ -322,8 +358,11 @@ def test_flush_cache(server: _Server) -> None:
 def test_metrics(server: _Server) -> None:
     httpx.post(server.url + "/generate", json={"text": "hi", "stream": True})
     text = httpx.get(server.url + "/metrics").text
-    values = {line.split(" ")[0]: float(line.split(" ")[1])
-              for line in text.splitlines() if line and not line.startswith("#")}
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
     assert values["sglang:num_requests_total"] >= 1
     assert values["sglang:generation_tokens_total"] >= 8
     assert values["sglang:time_to_first_token_seconds_count"] >= 1
@@ -332,27 +371,37 @@ def test_metrics(server: _Server) -> None:
 
 
 # ---- errors --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("body, status, needle", [
-    (b'{"text": "hi"', 400, "Malformed JSON"),
-    (b'["text"]', 400, "JSON object"),
-    (json.dumps({"text": 123}).encode(), 400, "text"),
-    (json.dumps({"input_ids": ["a"]}).encode(), 400, "input_ids"),
-    (json.dumps({"sampling_params": {}}).encode(), 400, "text"),
-    (json.dumps({"text": ""}).encode(), 400, "empty"),
-    (json.dumps({"input_ids": []}).encode(), 400, "empty"),
-    (json.dumps({"text": "a", "sampling_params": {"max_new_tokens": 0}}).encode(), 400,
-     "max_new_tokens"),
-    (json.dumps({"text": "a", "sampling_params": {"temperature": -1}}).encode(), 400,
-     "temperature"),
-    (json.dumps({"text": "a", "sampling_params": {"top_p": 1.5}}).encode(), 400, "top_p"),
-    (json.dumps({"text": "a", "sampling_params": {"top_k": 0}}).encode(), 400, "top_k"),
-    (json.dumps({"text": "a", "sampling_params": {"bogus": 1}}).encode(), 400, "bogus"),
-    (json.dumps({"input_ids": [1, 1000]}).encode(), 400, "out of range"),
-    (json.dumps({"text": "a", "lora_path": "x"}).encode(), 400, "lora_path"),
-])
+@pytest.mark.parametrize(
+    "body, status, needle",
+    [
+        (b'{"text": "hi"', 400, "Malformed JSON"),
+        (b'["text"]', 400, "JSON object"),
+        (json.dumps({"text": 123}).encode(), 400, "text"),
+        (json.dumps({"input_ids": ["a"]}).encode(), 400, "input_ids"),
+        (json.dumps({"sampling_params": {}}).encode(), 400, "text"),
+        (json.dumps({"text": ""}).encode(), 400, "empty"),
+        (json.dumps({"input_ids": []}).encode(), 400, "empty"),
+        (
+            json.dumps({"text": "a", "sampling_params": {"max_new_tokens": 0}}).encode(),
+            400,
+            "max_new_tokens",
+        ),
+        (
+            json.dumps({"text": "a", "sampling_params": {"temperature": -1}}).encode(),
+            400,
+            "temperature",
+        ),
+        (json.dumps({"text": "a", "sampling_params": {"top_p": 1.5}}).encode(), 400, "top_p"),
+        (json.dumps({"text": "a", "sampling_params": {"top_k": 0}}).encode(), 400, "top_k"),
+        (json.dumps({"text": "a", "sampling_params": {"bogus": 1}}).encode(), 400, "bogus"),
+        (json.dumps({"input_ids": [1, 1000]}).encode(), 400, "out of range"),
+        (json.dumps({"text": "a", "lora_path": "x"}).encode(), 400, "lora_path"),
+    ],
+)
 def test_bad_generate_requests(server: _Server, body: bytes, status: int, needle: str) -> None:
-    r = httpx.post(server.url + "/generate", content=body,
-                   headers={"Content-Type": "application/json"})
+    r = httpx.post(
+        server.url + "/generate", content=body, headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert needle in error["message"] and error["code"] == status
@@ -377,8 +426,10 @@ def test_oversized_bodies(server: _Server) -> None:
 def test_json_without_content_type_and_unknown_routes(server: _Server) -> None:
     r = httpx.post(server.url + "/generate", content=b'{"text": "hi"}')
     assert r.status_code == 200
-    r = httpx.post(server.url + "/generate",
-                   json={"text": "hi", "unknown_key": 1, "return_hidden_states": False})
+    r = httpx.post(
+        server.url + "/generate",
+        json={"text": "hi", "unknown_key": 1, "return_hidden_states": False},
+    )
     assert r.status_code == 200
     r = httpx.get(server.url + "/nope")
     assert r.status_code == 404 and r.json()["error"]["code"] == 404
@@ -406,14 +457,20 @@ def test_auth(auth_server: _Server) -> None:
     for path in ("/get_model_info", "/v1/models", "/metrics", "/flush_cache"):
         r = httpx.get(url + path)
         assert r.status_code == 401 and r.json()["error"]["code"] == 401
-    r = httpx.post(url + "/generate", json={"text": "hi"},
-                   headers={"Authorization": "Bearer wrong"})
+    r = httpx.post(
+        url + "/generate", json={"text": "hi"}, headers={"Authorization": "Bearer wrong"}
+    )
     assert r.status_code == 401
-    r = httpx.post(url + "/generate", json={"text": "hi"},
-                   headers={"Authorization": "Bearer sekret"})
+    r = httpx.post(
+        url + "/generate", json={"text": "hi"}, headers={"Authorization": "Bearer sekret"}
+    )
     assert r.status_code == 200
-    assert httpx.get(url + "/get_server_info",
-                     headers={"Authorization": "Bearer sekret"}).json()["api_key"] != "sekret"
+    assert (
+        httpx.get(url + "/get_server_info", headers={"Authorization": "Bearer sekret"}).json()[
+            "api_key"
+        ]
+        != "sekret"
+    )
     client = openai.OpenAI(base_url=url + "/v1", api_key="sekret")
     assert client.completions.create(model="m", prompt="x", max_tokens=2).choices[0].text
     with pytest.raises(openai.AuthenticationError):
@@ -427,8 +484,9 @@ def client(server: _Server) -> openai.OpenAI:
 
 
 def test_openai_completions(client: openai.OpenAI) -> None:
-    r = client.completions.create(model="fake-model", prompt=["ab", "abc"], max_tokens=3, n=2,
-                                  logprobs=2, seed=5)
+    r = client.completions.create(
+        model="fake-model", prompt=["ab", "abc"], max_tokens=3, n=2, logprobs=2, seed=5
+    )
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert [c.text for c in r.choices] == ["w12 w13 w14 "] * 2 + ["w13 w14 w15 "] * 2
     assert r.choices[0].finish_reason == "length"
@@ -442,8 +500,9 @@ def test_openai_completions(client: openai.OpenAI) -> None:
 
 
 def test_openai_completions_stream(client: openai.OpenAI) -> None:
-    stream = client.completions.create(model="m", prompt="ab", max_tokens=3, stream=True,
-                                       stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model="m", prompt="ab", max_tokens=3, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "w12 w13 w14 "
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -452,22 +511,28 @@ def test_openai_completions_stream(client: openai.OpenAI) -> None:
 
 def test_openai_chat(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "hi"}]
-    r = client.chat.completions.create(model="m", messages=messages, max_tokens=2,
-                                       logprobs=True, top_logprobs=1)
+    r = client.chat.completions.create(
+        model="m", messages=messages, max_tokens=2, logprobs=True, top_logprobs=1
+    )
     choice = r.choices[0]
     assert choice.message.role == "assistant" and choice.finish_reason == "length"
     assert [t.token for t in choice.logprobs.content] == ["w29 ", "w30 "]
     assert [len(t.top_logprobs) for t in choice.logprobs.content] == [1, 1]
     assert r.usage.prompt_tokens == len("user: hi\nassistant:")
-    r = client.chat.completions.create(model="m", messages=messages, max_completion_tokens=1,
-                                       n=3, temperature=0)
+    r = client.chat.completions.create(
+        model="m", messages=messages, max_completion_tokens=1, n=3, temperature=0
+    )
     assert [c.message.content for c in r.choices] == ["w29 "] * 3
 
 
 def test_openai_chat_stream(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-        max_tokens=3, stream=True, stream_options={"include_usage": True})
+        model="m",
+        messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -478,8 +543,9 @@ def test_openai_chat_stream(client: openai.OpenAI) -> None:
 
 def test_openai_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="temperature"):
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
-                                       temperature=-1)
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], temperature=-1
+        )
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model="m", messages=[])
     with pytest.raises(openai.BadRequestError, match="empty"):
@@ -498,10 +564,13 @@ def test_chat_template_rendering(tmp_path: Path, tiny_model_dir: Callable[..., P
     request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
     own = create_app(tm, ServerArgs(model_path="m", device="cpu")).state.serving_chat
     assert tokenizer.decode(own.render_prompt(request)) == (
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
     template = tmp_path / "template.jinja"
-    template.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
-                        "{% if add_generation_prompt %}[assistant]{% endif %}")
+    template.write_text(
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
     args = ServerArgs(model_path="m", device="cpu", chat_template=str(template))
     custom = create_app(tm, args).state.serving_chat
     assert tokenizer.decode(custom.render_prompt(request)) == "[user]hi[assistant]"

@@ -17,9 +17,12 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
 
+from sglang.srt import environ
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 _ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 _SAMPLING_BACKENDS = ("pytorch", "triton")
+_ENTROPY_MODES = ("raw", "scaled", "sampled")
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -129,7 +132,10 @@ class ServerArgs:
         choices=_ATTENTION_BACKENDS,
     )
     sampling_backend: str | None = _arg(
-        None, "Sampler: pytorch (default). triton is not built yet.", choices=_SAMPLING_BACKENDS
+        None,
+        "Sampler: pytorch (torch reference, default on CPU) or triton (fused kernel, default on "
+        "CUDA; on CPU only with TRITON_INTERPRET=1).",
+        choices=_SAMPLING_BACKENDS,
     )
     enable_deterministic_inference: bool = _arg(
         False, "Batch-invariant kernels: the same tokens whatever the batch, chunking or cache."
@@ -143,6 +149,21 @@ class ServerArgs:
     log_level: str = _arg("info", "Logging level.", choices=_LOG_LEVELS)
     log_requests: bool = _arg(False, "Log every request and its output.")
     enable_metrics: bool = _arg(False, "Expose Prometheus metrics at /metrics.")
+
+    # Per-token entropy (docs/entropy.md)
+    entropy_mode: str = _arg(
+        "raw",
+        "Entropy returned with return_entropy when the request does not choose: raw "
+        "(softmax of the logits), scaled (after temperature) or sampled (after temperature "
+        "and top-k/top-p/min-p, renormalised).",
+        choices=_ENTROPY_MODES,
+    )
+    entropy_top_k: int = _arg(
+        0, "Entropy over the K largest logits only (renormalised); 0 = the full vocabulary."
+    )
+    enable_entropy_with_logprobs: bool = _arg(
+        False, "Also return output_token_entropy for every request that returns logprobs."
+    )
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -161,7 +182,7 @@ class ServerArgs:
         if self.attention_backend is None:
             self.attention_backend = "torch_native"
         if self.sampling_backend is None:
-            self.sampling_backend = "pytorch"
+            self.sampling_backend = "triton" if self.device == "cuda" else "pytorch"
         if self.chunked_prefill_size is None:
             self.chunked_prefill_size = 8192
         self._check()
@@ -175,10 +196,26 @@ class ServerArgs:
                 f"--attention-backend {self.attention_backend} is not available; "
                 "supported: torch_native"
             )
-        if self.sampling_backend != "pytorch":
+        if self.sampling_backend not in _SAMPLING_BACKENDS:
             raise ValueError(
-                f"--sampling-backend {self.sampling_backend} is not available; supported: pytorch"
+                f"--sampling-backend must be one of {_SAMPLING_BACKENDS}, "
+                f"got {self.sampling_backend!r}"
             )
+        if (
+            self.sampling_backend == "triton"
+            and self.device == "cpu"
+            and not environ.triton_interpret_enabled()
+        ):
+            raise ValueError(
+                "--sampling-backend triton needs CUDA (on CPU only with TRITON_INTERPRET=1); "
+                "use --sampling-backend pytorch"
+            )
+        if self.entropy_mode not in _ENTROPY_MODES:
+            raise ValueError(
+                f"--entropy-mode must be one of {_ENTROPY_MODES}, got {self.entropy_mode!r}"
+            )
+        if self.entropy_top_k < 0:
+            raise ValueError(f"--entropy-top-k must be >= 0, got {self.entropy_top_k}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"--dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.page_size < 1:

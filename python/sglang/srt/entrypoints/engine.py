@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
+from sglang.srt.entrypoints import engine_weights
 from sglang.srt.managers.detokenizer_manager import (
     exit_when_parent_dies,
     run_detokenizer_process,
@@ -38,6 +39,8 @@ from sglang.srt.managers.io_struct import (
     FlushCacheReqOutput,
     GenerateReqInput,
     PauseGenerationReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightVersionReqInput,
 )
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.server_args import PortArgs, ServerArgs
@@ -325,6 +328,91 @@ class Engine:
 
     async def async_continue_generation(self) -> dict[str, Any]:
         return await self._bridge(_continue(self._manager()))
+
+    # ---- weights (docs/weights.md) -------------------------------------------------------------
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> tuple[bool, str, int]:
+        """Load the checkpoint at ``model_path`` (same architecture and shapes) into the running
+        model. Returns ``(success, message, num_paused_requests)``; a refused update (bad path,
+        config, missing tensor, shape mismatch) changes nothing."""
+        obj = UpdateWeightFromDiskReqInput(
+            model_path, load_format, abort_all_requests, weight_version, flush_cache
+        )
+        return self._run(engine_weights.update_from_disk(self._manager(), obj))
+
+    async def async_update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> tuple[bool, str, int]:
+        obj = UpdateWeightFromDiskReqInput(
+            model_path, load_format, abort_all_requests, weight_version, flush_cache
+        )
+        return await self._bridge(engine_weights.update_from_disk(self._manager(), obj))
+
+    def update_weights_from_tensor(
+        self,
+        named_tensors: list[tuple[str, Any]] | dict[str, Any],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        *,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+    ) -> tuple[bool, str]:
+        """Copy ``named_tensors`` (HF checkpoint names, fused shards allowed; parameter names
+        with ``load_format="direct"``) into the model; any subset of the weights. Returns
+        ``(success, message)``; a refused update (unknown name, shape) changes nothing."""
+        obj = engine_weights.tensor_request(
+            named_tensors, load_format, flush_cache, weight_version, abort_all_requests
+        )
+        return self._run(engine_weights.update_from_tensor(self._manager(), obj))
+
+    async def async_update_weights_from_tensor(
+        self,
+        named_tensors: list[tuple[str, Any]] | dict[str, Any],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        *,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+    ) -> tuple[bool, str]:
+        obj = engine_weights.tensor_request(
+            named_tensors, load_format, flush_cache, weight_version, abort_all_requests
+        )
+        return await self._bridge(engine_weights.update_from_tensor(self._manager(), obj))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """Values of weight ``name`` (parameter or HF name) as float lists, first dimension cut
+        to ``truncate_size``. Raises ValueError when no weight has that name."""
+        return self._run(engine_weights.get_weights(self._manager(), name, truncate_size))
+
+    async def async_get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        return await self._bridge(engine_weights.get_weights(self._manager(), name, truncate_size))
+
+    def update_weight_version(
+        self, new_version: str, abort_all_requests: bool = False
+    ) -> dict[str, Any]:
+        """Relabel the current weights (tokens from now on carry ``new_version``); aborts
+        every request only with ``abort_all_requests``. Raises ValueError for an empty label."""
+        obj = UpdateWeightVersionReqInput(new_version, abort_all_requests)
+        return self._run(engine_weights.update_version(self._manager(), obj))
+
+    async def async_update_weight_version(
+        self, new_version: str, abort_all_requests: bool = False
+    ) -> dict[str, Any]:
+        obj = UpdateWeightVersionReqInput(new_version, abort_all_requests)
+        return await self._bridge(engine_weights.update_version(self._manager(), obj))
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def shutdown(self) -> None:

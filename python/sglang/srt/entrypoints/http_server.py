@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 import sglang
 from sglang.srt.entrypoints.http_guard import GuardMiddleware, add_error_handlers
+from sglang.srt.entrypoints.http_weights import router as weights_router
 from sglang.srt.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -440,6 +441,7 @@ def create_app(
         tokenizer_manager, observer, _read_chat_template(server_args.chat_template)
     )
     app.include_router(router)
+    app.include_router(weights_router)
     add_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=server_args.api_key)
     return app

@@ -58,6 +58,8 @@ _PASSTHROUGH_FIELDS = (
     "input_top_logprobs_val",
     "input_top_logprobs_idx",
     "output_token_entropy_val",
+    "weight_version_spans",
+    "weight_version",
 )
 
 

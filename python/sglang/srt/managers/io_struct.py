@@ -46,6 +46,10 @@ class GenerateReqInput:
     return_text_in_logprobs: bool = False
     stream: bool = False
     return_entropy: bool | list[bool] = False
+    # Entropy definition (docs/entropy.md): raw, scaled or sampled, and the top-k variant's K
+    # (0 = full vocabulary). None: the server's --entropy-mode / --entropy-top-k.
+    entropy_mode: str | list[str | None] | None = None
+    entropy_top_k: int | list[int | None] | None = None
     log_metrics: bool = True
 
     def __post_init__(self) -> None:
@@ -87,6 +91,8 @@ class GenerateReqInput:
             "logprob_start_len",
             "top_logprobs_num",
             "return_entropy",
+            "entropy_mode",
+            "entropy_top_k",
         ):
             value = getattr(self, name)
             if isinstance(value, list):
@@ -108,6 +114,8 @@ class GenerateReqInput:
             return_text_in_logprobs=self.return_text_in_logprobs,
             stream=self.stream,
             return_entropy=self.return_entropy[i],
+            entropy_mode=self.entropy_mode[i],
+            entropy_top_k=self.entropy_top_k[i],
             log_metrics=self.log_metrics,
         )
 
@@ -125,6 +133,8 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     stream: bool = False
     return_entropy: bool = False
+    entropy_mode: str | None = None  # None: the server's --entropy-mode
+    entropy_top_k: int | None = None  # None: the server's --entropy-top-k
 
 
 @dataclass
@@ -160,6 +170,10 @@ class BatchTokenIDOutput:
     input_top_logprobs_val: list[list[list[float]]] | None = None
     input_top_logprobs_idx: list[list[list[int]]] | None = None
     output_token_entropy_val: list[list[float]] | None = None
+    # Per rid, the weight-version spans ``[version, start, end)`` of the ids in this message, in
+    # output-token positions (``start`` >= the tokens sent before). None: no version info.
+    weight_version_spans: list[list[list]] | None = None
+    weight_version: str | None = None  # the scheduler's current label when this was sent
 
 
 @dataclass
@@ -183,6 +197,8 @@ class BatchStrOutput:
     input_top_logprobs_val: list[list[list[float]]] | None = None
     input_top_logprobs_idx: list[list[list[int]]] | None = None
     output_token_entropy_val: list[list[float]] | None = None
+    weight_version_spans: list[list[list]] | None = None  # as in BatchTokenIDOutput
+    weight_version: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,6 +306,91 @@ class ContinueGenerationReqInput:
 class ContinueGenerationReqOutput:
     success: bool
     was_paused: bool = False
+    req_id: str = ""
+
+
+# ---- weight updates (docs/weights.md) -------------------------------------------------------
+@dataclass
+class UpdateWeightFromDiskReqInput:
+    """Load new weights of the same architecture from ``model_path`` into the running model.
+
+    Validated first (path, config, every tensor's name and shape); a refusal changes nothing.
+    ``load_format`` None: the server's. ``weight_version`` None keeps the current label.
+    ``flush_cache``: flush the prefix cache when nothing holds KV (old-weight entries are made
+    unmatchable in any case). ``abort_all_requests``: abort every request before the swap.
+    """
+
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+    req_id: str = field(default_factory=_new_id)
+
+
+@dataclass
+class UpdateWeightFromDiskReqOutput:
+    success: bool
+    message: str
+    # Unfinished requests kept across the update (running, paused in place, or waiting); they
+    # continue on the new weights.
+    num_paused_requests: int = 0
+    req_id: str = ""
+
+
+@dataclass
+class UpdateWeightsFromTensorReqInput:
+    """Copy ``named_tensors`` (HF checkpoint names, or parameter names with
+    ``load_format="direct"``) into the running model; a subset of the weights is allowed.
+    The tensors are pickled to the scheduler process. Validated first, like disk updates."""
+
+    named_tensors: list[tuple[str, Any]]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    req_id: str = field(default_factory=_new_id)
+
+
+@dataclass
+class UpdateWeightsFromTensorReqOutput:
+    success: bool
+    message: str
+    num_paused_requests: int = 0
+    req_id: str = ""
+
+
+@dataclass
+class GetWeightsByNameReqInput:
+    """Read a weight back: a parameter name, or an HF name (a fused parameter's shard)."""
+
+    name: str
+    truncate_size: int = 100
+    req_id: str = field(default_factory=_new_id)
+
+
+@dataclass
+class GetWeightsByNameReqOutput:
+    parameter: list | None  # float values, first dimension truncated; None when not found
+    message: str = ""
+    req_id: str = ""
+
+
+@dataclass
+class UpdateWeightVersionReqInput:
+    """Relabel the current weights (no weight change); aborts nothing unless asked."""
+
+    new_version: str
+    abort_all_requests: bool = False
+    req_id: str = field(default_factory=_new_id)
+
+
+@dataclass
+class UpdateWeightVersionReqOutput:
+    success: bool
+    message: str
+    new_version: str = ""
+    num_aborted: int = 0
     req_id: str = ""
 
 

@@ -9,6 +9,10 @@ A request holds, while admitted:
 
 :meth:`ReqKV.release` gives all of it back (caching what is worth caching); it is called by the
 finish, abort and retract paths alike, so none of them can leak.
+
+Weight updates bump ``weight_generation``. A request remembers the generation under which its KV
+started (``req.kv_generation``, set when it is admitted); KV that began under older weights is
+never inserted into the prefix cache, so no later request can match it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class ReqKV:
     allocator: TokenToKVPoolAllocator
     tree_cache: BasePrefixCache
     page_size: int
+    weight_generation: int = 0  # bumped by every weight update (WeightUpdater)
 
     def available_tokens(self) -> int:
         """Tokens that can be allocated now, counting what eviction would free."""
@@ -49,6 +54,7 @@ class ReqKV:
         req.prefix_indices = match.device_indices
         req.prefix_len = int(match.device_indices.numel())
         req.kv_len = req.prefix_len
+        req.kv_generation = self.weight_generation
 
     def unlock_unadmitted(self, req: Req) -> None:
         """Undo :meth:`match_and_lock` for a request that was not admitted after all."""
@@ -80,18 +86,22 @@ class ReqKV:
         """Give back everything ``req`` holds; its computed KV goes to the prefix cache.
 
         Precondition: the first ``req.kv_len`` tokens of prompt + output have KV in its row.
-        Afterwards the request holds nothing and may be re-admitted (re-prefilled) later.
+        Afterwards the request holds nothing and may be re-admitted (re-prefilled) later. KV
+        that began under older weights (see the module docstring) is freed, not cached.
         """
         if req.req_pool_idx is None:
             return
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].clone()
-        aligned = req.kv_len // self.page_size * self.page_size
-        token_ids = (req.origin_input_ids + req.output_ids)[:aligned]
-        num_cached = self.tree_cache.insert(token_ids, kv[:aligned])
-        if num_cached > req.prefix_len:  # computed twice: another request cached them first
-            self.allocator.free(kv[req.prefix_len : num_cached])
-        if aligned < req.kv_len:
-            self.allocator.free(kv[aligned:])
+        if req.kv_generation != self.weight_generation:
+            self.allocator.free(kv[req.prefix_len :])
+        else:
+            aligned = req.kv_len // self.page_size * self.page_size
+            token_ids = (req.origin_input_ids + req.output_ids)[:aligned]
+            num_cached = self.tree_cache.insert(token_ids, kv[:aligned])
+            if num_cached > req.prefix_len:  # computed twice: another request cached them first
+                self.allocator.free(kv[req.prefix_len : num_cached])
+            if aligned < req.kv_len:
+                self.allocator.free(kv[aligned:])
         self.tree_cache.unlock(req.cache_handle)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None

@@ -38,6 +38,8 @@ class Req:
         stream: bool = False,
         return_entropy: bool = False,
         stop_str_max_len: int = 0,
+        entropy_mode: str | None = None,
+        entropy_top_k: int | None = None,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = origin_input_ids
@@ -49,6 +51,9 @@ class Req:
         self.top_logprobs_num = top_logprobs_num
         self.stream = stream
         self.return_entropy = return_entropy
+        # The request's entropy definition; None takes the server's --entropy-mode/-top-k.
+        self.entropy_mode = entropy_mode
+        self.entropy_top_k = entropy_top_k
         self.stop_str_max_len = stop_str_max_len  # in tokens, an upper bound
         self.arrival_time = time.monotonic()
 
@@ -64,11 +69,14 @@ class Req:
         self.kv_len = 0
         self.extend_len = 0  # tokens computed by the current extend step
         self.is_chunked = False  # True while a chunked prefill has more chunks to go
+        self.kv_generation = 0  # weight generation under which the KV held now began
 
         # Accounting and output
         self.cached_tokens = 0
         self.num_retractions = 0
         self.num_sent_ids = 0  # output ids already sent to the detokenizer
+        # [version, start, end) runs over output_ids: the weights that computed each token
+        self.weight_version_spans: list[list] = []
         self.output_token_logprobs_val: list[float] = []
         self.output_token_logprobs_idx: list[int] = []
         self.output_top_logprobs_val: list[list[float]] = []
@@ -93,6 +101,11 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    @property
+    def entropy_request(self) -> tuple[str | None, int | None] | None:
+        """(mode, top_k) of the entropy this request wants per token, None when it wants none."""
+        return (self.entropy_mode, self.entropy_top_k) if self.return_entropy else None
 
     @property
     def wants_input_logprobs(self) -> bool:
@@ -186,7 +199,7 @@ class ScheduleBatch:
         """Built lazily and kept while the batch composition does not change."""
         if self._sampling_info is None:
             self._sampling_info = SamplingBatchInfo.from_reqs(
-                self.reqs, self.vocab_size, self.device
+                self.reqs, self.vocab_size, self.device, [r.entropy_request for r in self.reqs]
             )
         return self._sampling_info
 

@@ -28,10 +28,14 @@ from sglang.srt.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    GetWeightsByNameReqInput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     SchedulerErrorOutput,
     TokenizedGenerateReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightVersionReqInput,
 )
 from sglang.srt.managers.pause_state import PauseModeError, PauseState, resolve_pause_mode
 from sglang.srt.managers.req_kv import ReqKV
@@ -43,6 +47,7 @@ from sglang.srt.managers.schedule_policy import (
 )
 from sglang.srt.managers.scheduler_output import OutputProcessor
 from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.managers.weight_updater import WeightUpdater
 from sglang.srt.mem_cache import create_prefix_cache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.server_args import PortArgs, ServerArgs
@@ -111,6 +116,7 @@ class Scheduler:
             lambda msg: send_to_detokenizer.send(dumps(msg)),
             server_args.stream_interval,
         )
+        self.weights = WeightUpdater(self)
         self.dispatch = TypeBasedDispatcher(
             [
                 (TokenizedGenerateReqInput, self.handle_generate_request),
@@ -119,6 +125,10 @@ class Scheduler:
                 (GetInternalStateReq, self.handle_get_internal_state),
                 (PauseGenerationReqInput, self.handle_pause),
                 (ContinueGenerationReqInput, self.handle_continue),
+                (UpdateWeightFromDiskReqInput, self.weights.update_from_disk),
+                (UpdateWeightsFromTensorReqInput, self.weights.update_from_tensor),
+                (GetWeightsByNameReqInput, self.weights.get_weights_by_name),
+                (UpdateWeightVersionReqInput, self.weights.update_weight_version),
             ]
         )
 
@@ -173,7 +183,8 @@ class Scheduler:
 
     def on_idle(self) -> None:
         self.new_token_ratio = self.init_new_token_ratio
-        if self.server_args.log_level == "debug":
+        # Requests paused in place hold private KV that the check cannot count: skip then.
+        if self.server_args.log_level == "debug" and not self.has_kv_holders():
             self.tree_cache.check_integrity()
 
     # ---- batch selection --------------------------------------------------------------------
@@ -452,7 +463,7 @@ class Scheduler:
             "forward_ct_decode": self.forward_ct_decode,
             "new_token_ratio": self.new_token_ratio,
             "init_new_token_ratio": self.init_new_token_ratio,
-            "weight_version": "default",
+            "weight_version": self.weights.version,
             "max_running_requests": self.max_running_requests,
         }
 

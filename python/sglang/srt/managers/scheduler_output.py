@@ -28,6 +28,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.send = send
         self.stream_interval = stream_interval
+        # Label of the weights that compute the next tokens (set by the WeightUpdater).
+        self.weight_version = "default"
 
     def commit_extend(self, batch: ScheduleBatch, result: GenerationBatchResult) -> list[Req]:
         """Commit a prefill step. Returns the requests whose prefill completed (finished or not);
@@ -61,6 +63,7 @@ class OutputProcessor:
 
     def _append_token(self, req: Req, result: GenerationBatchResult, i: int) -> None:
         req.output_ids.append(result.next_token_ids[i])
+        _extend_version_spans(req.weight_version_spans, self.weight_version, len(req.output_ids))
         if req.return_logprob:
             req.output_token_logprobs_val.append(result.next_token_logprobs[i])
             req.output_token_logprobs_idx.append(result.next_token_ids[i])
@@ -71,6 +74,10 @@ class OutputProcessor:
                 req.output_top_logprobs_idx.append(
                     result.top_logprobs_idx[i][: req.top_logprobs_num]
                 )
+        if req.return_entropy:
+            # One value per output token, appended with it: a retracted request keeps its list
+            # and continues it after the re-prefill, so ids, logprobs and entropy stay aligned.
+            req.output_token_entropy_val.append(result.entropies[i])
         req.check_finished(self.tokenizer)
 
     def _add_input_logprobs(
@@ -135,6 +142,10 @@ class OutputProcessor:
             completion_tokens=[len(r.output_ids) for r in reqs],
             cached_tokens=[r.cached_tokens for r in reqs],
             retraction_counts=[r.num_retractions for r in reqs],
+            weight_version_spans=[
+                _spans_from(r.weight_version_spans, r.num_sent_ids) for r in reqs
+            ],
+            weight_version=self.weight_version,
         )
         if any_logprob:
             self._fill_logprobs(msg, reqs)
@@ -172,3 +183,16 @@ class OutputProcessor:
         for r, f in zip(reqs, first):
             if f:
                 r.input_logprobs_sent = True
+
+
+def _extend_version_spans(spans: list[list], version: str, num_tokens: int) -> None:
+    """Attribute output token ``num_tokens - 1`` (just appended) to ``version``."""
+    if spans and spans[-1][0] == version and spans[-1][2] == num_tokens - 1:
+        spans[-1][2] = num_tokens
+    else:
+        spans.append([version, num_tokens - 1, num_tokens])
+
+
+def _spans_from(spans: list[list], start: int) -> list[list]:
+    """The part of ``spans`` covering output positions ``start`` onwards (copied)."""
+    return [[v, max(s, start), e] for v, s, e in spans if e > start]

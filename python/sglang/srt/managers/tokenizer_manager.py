@@ -35,12 +35,21 @@ from sglang.srt.managers.io_struct import (
     GenerateReqInput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    GetWeightsByNameReqInput,
+    GetWeightsByNameReqOutput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     SchedulerErrorOutput,
     TokenizedGenerateReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightsFromTensorReqOutput,
+    UpdateWeightVersionReqInput,
+    UpdateWeightVersionReqOutput,
 )
 from sglang.srt.managers.tokenizer_req_state import ReqState
+from sglang.srt.sampling.sampling_batch_info import ENTROPY_MODES
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils import TypeBasedDispatcher, dumps, get_zmq_socket, loads
@@ -106,6 +115,10 @@ class TokenizerManager:
                 (GetInternalStateReqOutput, self._handle_control_output),
                 (PauseGenerationReqOutput, self._handle_control_output),
                 (ContinueGenerationReqOutput, self._handle_control_output),
+                (UpdateWeightFromDiskReqOutput, self._handle_control_output),
+                (UpdateWeightsFromTensorReqOutput, self._handle_control_output),
+                (GetWeightsByNameReqOutput, self._handle_control_output),
+                (UpdateWeightVersionReqOutput, self._handle_control_output),
                 (SchedulerErrorOutput, self._handle_scheduler_error),
             ]
         )
@@ -263,6 +276,7 @@ class TokenizerManager:
             _check_logprob_args(
                 obj.logprob_start_len, obj.top_logprobs_num, prompt_len, self.vocab_size
             )
+        _check_entropy_args(obj.entropy_mode, obj.entropy_top_k)
         return TokenizedGenerateReqInput(
             rid=obj.rid,
             input_text=obj.text,
@@ -272,7 +286,10 @@ class TokenizerManager:
             logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
             top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
             stream=obj.stream,
-            return_entropy=bool(obj.return_entropy),
+            return_entropy=bool(obj.return_entropy)
+            or (self.server_args.enable_entropy_with_logprobs and bool(obj.return_logprob)),
+            entropy_mode=obj.entropy_mode,
+            entropy_top_k=obj.entropy_top_k,
         )
 
     async def _wait_states(
@@ -295,6 +312,10 @@ class TokenizerManager:
                         if is_list:
                             out["index"] = index
                         yield out
+            # A final update may land while a stream is suspended at its yield: send it first
+            # (its notify is set, so the next turn does not block).
+            if stream and any(state.dirty for state in states):
+                continue
             if all(state.finished for state in states):
                 if not stream:
                     outs = [state.to_output() for state in states]
@@ -409,6 +430,32 @@ class TokenizerManager:
         out = await self._control(GetInternalStateReq())
         return [out.internal_state]
 
+    # ---- weights (docs/weights.md) -------------------------------------------------------------
+    async def update_weights_from_disk(
+        self, obj: UpdateWeightFromDiskReqInput
+    ) -> UpdateWeightFromDiskReqOutput:
+        """Load the checkpoint at ``obj.model_path`` into the running model (validated first;
+        a refusal changes nothing). On success the reported model path follows it."""
+        out = await self._control(obj)
+        if out.success:
+            self.model_path = obj.model_path
+        return out
+
+    async def update_weights_from_tensor(
+        self, obj: UpdateWeightsFromTensorReqInput
+    ) -> UpdateWeightsFromTensorReqOutput:
+        """Send ``obj.named_tensors`` (pickled) to the scheduler and copy them into the model."""
+        return await self._control(obj)
+
+    async def get_weights_by_name(self, obj: GetWeightsByNameReqInput) -> GetWeightsByNameReqOutput:
+        return await self._control(obj)
+
+    async def update_weight_version(
+        self, obj: UpdateWeightVersionReqInput
+    ) -> UpdateWeightVersionReqOutput:
+        """Relabel the current weights; aborts every request only when asked."""
+        return await self._control(obj)
+
     async def _control(self, req: Any) -> Any:
         """Send a control request and await the reply carrying the same ``req_id``."""
         self._check_alive()
@@ -509,6 +556,14 @@ class TokenizerManager:
             return None
         tokenizer = self.tokenizer
         return lambda ids: tokenizer.batch_decode([[i] for i in ids])
+
+
+def _check_entropy_args(mode: Any, top_k: Any) -> None:
+    """A request's entropy override: a mode name and a K >= 0 (None: the server's)."""
+    if mode is not None and mode not in ENTROPY_MODES:
+        raise ValueError(f"entropy_mode must be one of {list(ENTROPY_MODES)}, got {mode!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"entropy_top_k must be an integer >= 0, got {top_k!r}")
 
 
 def _check_logprob_args(

@@ -14,8 +14,8 @@ from typing import Any
 
 from sglang.srt.managers.io_struct import BatchStrOutput, TokenizedGenerateReqInput
 
-# Until weight updates land every token is produced by the initial weights.
-_WEIGHT_VERSION = "default"
+# The label of the initial weights (until an update or /update_weight_version changes it).
+_DEFAULT_WEIGHT_VERSION = "default"
 _LOGPROB_KEYS = (
     "output_token_logprobs",
     "input_token_logprobs",
@@ -59,6 +59,9 @@ class ReqState:
         self.retractions = 0
         self.logprobs: dict[str, list] = {key: [] for key in _LOGPROB_KEYS}
         self.entropy: list[float] = []
+        # {"version", "start", "end"} runs over the output tokens, merged as increments arrive.
+        self.weight_spans: list[dict[str, Any]] = []
+        self.weight_version = _DEFAULT_WEIGHT_VERSION  # scheduler's label at the last message
         self.dirty = False
         self.error: str | None = None
 
@@ -83,9 +86,29 @@ class ReqState:
                     self.logprobs[key].extend(self._rows(key, vals[i], idxs[i]))
         if self.return_entropy and msg.output_token_entropy_val is not None:
             self.entropy.extend(msg.output_token_entropy_val[i])
+        self._add_weight_spans(msg, i)
         if msg.finished_reasons[i] is not None:
             self.finish_locally(msg.finished_reasons[i])
         self.dirty = True
+
+    def _add_weight_spans(self, msg: BatchStrOutput, i: int) -> None:
+        """Merge the message's version spans; a message without them (older senders) puts its
+        new tokens under the scheduler's current label."""
+        if msg.weight_version is not None:
+            self.weight_version = msg.weight_version
+        if msg.weight_version_spans is not None:
+            spans = msg.weight_version_spans[i]
+        else:
+            start = self.weight_spans[-1]["end"] if self.weight_spans else 0
+            spans = [[self.weight_version, start, self.completion_tokens]]
+        for version, start, end in spans:
+            if end <= start:
+                continue
+            last = self.weight_spans[-1] if self.weight_spans else None
+            if last is not None and last["version"] == version and last["end"] == start:
+                last["end"] = end
+            else:
+                self.weight_spans.append({"version": version, "start": start, "end": end})
 
     def finish_locally(self, reason: dict[str, Any]) -> None:
         """Mark the request finished with ``reason`` (also used when no message will come)."""
@@ -123,10 +146,10 @@ class ReqState:
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
             "e2e_latency": end_time - self.created_time,
-            "weight_version": _WEIGHT_VERSION,
-            "weight_versions": [
-                {"version": _WEIGHT_VERSION, "start": 0, "end": self.completion_tokens}
-            ],
+            "weight_version": (
+                self.weight_spans[-1]["version"] if self.weight_spans else self.weight_version
+            ),
+            "weight_versions": [dict(span) for span in self.weight_spans],
             "total_retractions": self.retractions,
         }
         if self.return_logprob:

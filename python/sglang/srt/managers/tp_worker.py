@@ -24,12 +24,17 @@ class GenerationBatchResult(NamedTuple):
     input_token_logprobs: list[float] | None  # flat over ForwardBatch.input_logprob_rows
     input_top_logprobs_val: list[list[float]] | None
     input_top_logprobs_idx: list[list[int]] | None
+    # Entropy of each row's distribution when some request of the batch asks (0 in the rows
+    # that do not), None otherwise; definitions in docs/entropy.md.
+    entropies: list[float] | None = None
 
 
 class TpModelWorker:
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig) -> None:
         self.model_runner = ModelRunner(server_args, model_config)
-        self.sampler = Sampler()
+        self.sampler = Sampler(
+            server_args.sampling_backend, server_args.entropy_mode, server_args.entropy_top_k
+        )
 
     def forward_batch_generation(
         self,
@@ -53,6 +58,7 @@ class TpModelWorker:
             input_token_logprobs=_to_list(logits_output.input_token_logprobs),
             input_top_logprobs_val=_to_list(logits_output.input_top_logprobs_val),
             input_top_logprobs_idx=_to_list(logits_output.input_top_logprobs_idx),
+            entropies=_to_list(out.entropies),
         )
 
 

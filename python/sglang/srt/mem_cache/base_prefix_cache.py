@@ -83,9 +83,22 @@ class BasePrefixCache(ABC):
     def protected_size(self) -> int:
         """Tokens held by the cache on locked paths. Does not mutate."""
 
+    def stale_size(self) -> int:
+        """Tokens of entries invalidated by :meth:`invalidate` but still locked by a request
+        (freed when their last lock goes). Does not mutate."""
+        return 0
+
     def total_size(self) -> int:
-        """All tokens held by the cache (evictable + protected). Does not mutate."""
-        return self.evictable_size() + self.protected_size()
+        """All tokens held by the cache (evictable + protected + stale). Does not mutate."""
+        return self.evictable_size() + self.protected_size() + self.stale_size()
+
+    @abstractmethod
+    def invalidate(self) -> int:
+        """Make every current entry unmatchable, for good (the weights that computed its KV
+        were replaced). Unlocked entries are freed to the allocator now; locked ones stay valid
+        for their holders (their handles still unlock normally) and are freed when their last
+        lock is released. Later matches and inserts see an empty cache. Returns the number of
+        tokens freed now. Unlike ``reset`` it is safe while requests hold KV."""
 
     @abstractmethod
     def reset(self) -> None:
@@ -94,7 +107,8 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def check_integrity(self, num_private: int = 0) -> None:
-        """Assert ``free + evictable + protected + num_private == allocator capacity`` and that
+        """Assert ``free + evictable + protected + stale + num_private == allocator capacity``
+        and that
         the cached sizes agree with a full walk. ``num_private`` = slots held by live requests
         outside the cache (their private pages, partial tail pages counted whole). Read-only;
         raises AssertionError on a violation."""

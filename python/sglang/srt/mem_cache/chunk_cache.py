@@ -55,6 +55,10 @@ class NoPrefixCache(BasePrefixCache):
     def reset(self) -> None:
         """Nothing to drop."""
 
+    def invalidate(self) -> int:
+        """Nothing is cached, so nothing can be stale: returns 0."""
+        return 0
+
     def check_integrity(self, num_private: int = 0) -> None:
         free = self.allocator.available_size()
         if free + num_private != self.allocator.size:

@@ -8,6 +8,11 @@ of page_size ids), so siblings never share a first page and a lookup is one dict
 ``lock_ref`` counts the locks whose path passes through a node; a node with ``lock_ref > 0`` is
 protected, else evictable. Only leaves with ``lock_ref == 0`` can be evicted; they are kept in a
 set (``_evictable_leaves``) so ``evict`` heapifies them by last access without walking the tree.
+
+``invalidate`` (after a weight update) frees every unlocked node and detaches the rest, whose
+KV was computed with the old weights, under a *stale root*: nothing matches or inserts there
+any more, and each stale node is freed as soon as the last lock through it is released. Stale
+tokens are counted apart (``stale_size``) until then.
 """
 
 from __future__ import annotations
@@ -84,12 +89,17 @@ class RadixCache(BasePrefixCache):
         self._evictable_size = 0
         self._protected_size = 0
         self._clock = 0
+        self._stale_roots: list[_Node] = []  # detached by invalidate(); only locked nodes
+        self._stale_size = 0
 
     def evictable_size(self) -> int:
         return self._evictable_size
 
     def protected_size(self) -> int:
         return self._protected_size
+
+    def stale_size(self) -> int:
+        return self._stale_size
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
@@ -180,6 +190,7 @@ class RadixCache(BasePrefixCache):
 
     def lock(self, handle: object) -> None:
         node = self._as_node(handle)
+        _check(self._root_of(node) is self._root, "lock of a handle invalidated since its match")
         while node is not self._root:
             if node.lock_ref == 0:
                 self._evictable_size -= len(node.key)
@@ -190,6 +201,9 @@ class RadixCache(BasePrefixCache):
 
     def unlock(self, handle: object) -> None:
         node = self._as_node(handle)
+        if self._root_of(node) is not self._root:
+            self._unlock_stale(node)
+            return
         while node is not self._root:
             _check(node.lock_ref > 0, f"unlock of an unlocked node {node}")
             node.lock_ref -= 1
@@ -203,6 +217,43 @@ class RadixCache(BasePrefixCache):
         if not isinstance(handle, _Node):
             raise TypeError(f"not a RadixCache handle: {handle!r}")
         return handle
+
+    @staticmethod
+    def _root_of(node: _Node) -> _Node:
+        while node.parent is not None:
+            node = node.parent
+        return node
+
+    # ------------------------------------------------------------------ invalidation
+
+    def invalidate(self) -> int:
+        evicted = self.evict(self._evictable_size)
+        if self._root.children:
+            self._stale_roots.append(self._root)
+            self._stale_size += self._protected_size
+            root = _Node(next(self._ids), [], self._empty(), None)
+            root.lock_ref = 1
+            self._root = root
+            self._protected_size = 0
+        return evicted
+
+    def _unlock_stale(self, node: _Node) -> None:
+        """Unlock a path of a stale tree, freeing the nodes no lock passes through any more."""
+        freed = []
+        while node.parent is not None:
+            _check(node.lock_ref > 0, f"unlock of an unlocked stale node {node}")
+            node.lock_ref -= 1
+            parent = node.parent
+            if node.lock_ref == 0:
+                _check(not node.children, f"stale {node} freed before its children")
+                del parent.children[self._child_key(node.key, 0)]
+                self._stale_size -= len(node.key)
+                freed.append(node.value)
+            node = parent
+        if freed:
+            self.allocator.free(torch.cat(freed))
+        if not node.children and node in self._stale_roots:
+            self._stale_roots.remove(node)
 
     # ------------------------------------------------------------------ eviction
 
@@ -230,9 +281,10 @@ class RadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ checks and debugging
 
-    def _nodes(self) -> list[_Node]:
-        """Every non-root node, parents before children."""
-        out, stack = [], list(self._root.children.values())
+    def _nodes(self, root: _Node | None = None) -> list[_Node]:
+        """Every non-root node under ``root`` (default: the live root), parents first."""
+        root = self._root if root is None else root
+        out, stack = [], list(root.children.values())
         while stack:
             node = stack.pop()
             out.append(node)
@@ -252,13 +304,20 @@ class RadixCache(BasePrefixCache):
         _check(protected == self._protected_size, f"protected {self._protected_size}!={protected}")
         leaves = {n for n in nodes if not n.children and n.lock_ref == 0}
         _check(leaves == self._evictable_leaves, "evictable-leaf set out of date")
-        self._check_slots(nodes)
+        stale_nodes = [n for root in self._stale_roots for n in self._nodes(root)]
+        for node in stale_nodes:
+            self._check_node(node)
+            _check(node.lock_ref > 0, f"stale {node} is unlocked but not freed")
+        stale = sum(len(n.key) for n in stale_nodes)
+        _check(stale == self._stale_size, f"stale {self._stale_size}!={stale}")
+        _check(all(r.children for r in self._stale_roots), "an empty stale root is kept")
+        self._check_slots(nodes + stale_nodes)
         free = self.allocator.available_size()
-        total = free + evictable + protected + num_private
+        total = free + evictable + protected + stale + num_private
         _check(
             total == self.allocator.size,
-            f"KV leak: free {free} + evictable {evictable} + protected {protected} + private "
-            f"{num_private} = {total} != capacity {self.allocator.size}",
+            f"KV leak: free {free} + evictable {evictable} + protected {protected} + stale "
+            f"{stale} + private {num_private} = {total} != capacity {self.allocator.size}",
         )
 
     def _check_node(self, node: _Node) -> None:
@@ -302,5 +361,5 @@ class RadixCache(BasePrefixCache):
     def __repr__(self) -> str:
         return (
             f"RadixCache(page_size={self.page_size}, evictable={self._evictable_size}, "
-            f"protected={self._protected_size})"
+            f"protected={self._protected_size}, stale={self._stale_size})"
         )

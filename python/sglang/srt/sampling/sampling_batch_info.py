@@ -9,15 +9,24 @@ requests: it re-derives positions and penalty counts from their ``output_ids``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from sgl_kernel.sampling_reference import (
+    ENTROPY_MODE_CODES,
+    ENTROPY_MODES,
+    EntropyGroup,
+    EntropyPlan,
+)
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 _GREEDY_EPS = 1e-6
 _SEED_MOD = 1 << 32
+
+# What a request asks of entropy: (mode, top_k), each None for the server's default.
+EntropyRequest = tuple[str | None, int | None]
 
 
 class SamplingReq(Protocol):
@@ -118,6 +127,12 @@ class SamplingBatchInfo:
     max_top_k: int  # largest enabled top_k among sampled rows (0 when none)
     penalties: PenaltyState | None
     min_new_tokens: MinNewTokensState | None
+    unit_temperature: bool = False  # every stored temperature is 1.0 (logits / T == logits)
+    # Per row: None (no entropy) or the request's EntropyRequest; see entropy_plan().
+    entropy_requests: tuple[EntropyRequest | None, ...] = ()
+    _entropy_plan_memo: tuple[tuple[str, int], EntropyPlan | None] | None = field(
+        default=None, repr=False
+    )
 
     @property
     def batch_size(self) -> int:
@@ -125,9 +140,17 @@ class SamplingBatchInfo:
 
     @classmethod
     def from_reqs(
-        cls, reqs: Sequence[SamplingReq], vocab_size: int, device: str | torch.device
+        cls,
+        reqs: Sequence[SamplingReq],
+        vocab_size: int,
+        device: str | torch.device,
+        entropy_requests: Sequence[EntropyRequest | None] | None = None,
     ) -> SamplingBatchInfo:
-        """Build the state of ``reqs`` (in batch order). Reads, never mutates, the requests."""
+        """Build the state of ``reqs`` (in batch order). Reads, never mutates, the requests.
+
+        ``entropy_requests``: one entry per request, None for requests that want no entropy
+        (omitted: none does).
+        """
         device = torch.device(device)
         params = [r.sampling_params for r in reqs]
         greedy = [p.temperature < _GREEDY_EPS or p.top_k == 1 for p in params]
@@ -139,13 +162,11 @@ class SamplingBatchInfo:
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
+        temperatures = [1.0 if p.temperature < _GREEDY_EPS else p.temperature for p in params]
         return cls(
             vocab_size=vocab_size,
             device=device,
-            temperatures=tensor(
-                [1.0 if p.temperature < _GREEDY_EPS else p.temperature for p in params],
-                torch.float32,
-            ),
+            temperatures=tensor(temperatures, torch.float32),
             top_ks=tensor(top_ks, torch.int64),
             top_ps=tensor([p.top_p for p in params], torch.float32),
             min_ps=tensor([p.min_p for p in params], torch.float32),
@@ -163,7 +184,53 @@ class SamplingBatchInfo:
             max_top_k=max((top_ks[i] for i in sampled if top_ks[i] < vocab_size), default=0),
             penalties=_build_penalties(reqs, vocab_size, device),
             min_new_tokens=_build_min_new_tokens(reqs, vocab_size, device),
+            unit_temperature=all(t == 1.0 for t in temperatures),
+            entropy_requests=tuple(entropy_requests or (None,) * len(reqs)),
         )
+
+    def entropy_plan(self, default_mode: str, default_top_k: int) -> EntropyPlan | None:
+        """Which rows want entropy and how, requests without a choice taking the defaults.
+
+        None when no row wants entropy (then sampling runs exactly as without the feature).
+        A top_k of 0 or >= vocab_size means the full vocabulary. Memoized per defaults: the
+        plan is built once per batch composition, not per step.
+        """
+        key = (default_mode, default_top_k)
+        if self._entropy_plan_memo is None or self._entropy_plan_memo[0] != key:
+            self._entropy_plan_memo = (key, self._build_entropy_plan(*key))
+        return self._entropy_plan_memo[1]
+
+    def _build_entropy_plan(self, default_mode: str, default_top_k: int) -> EntropyPlan | None:
+        specs: list[tuple[str, int] | None] = []
+        for request in self.entropy_requests:
+            if request is None:
+                specs.append(None)
+                continue
+            mode = default_mode if request[0] is None else request[0]
+            top_k = default_top_k if request[1] is None else request[1]
+            if mode not in ENTROPY_MODES:
+                raise ValueError(f"entropy mode must be one of {ENTROPY_MODES}, got {mode!r}")
+            specs.append((mode, top_k if 0 < top_k < self.vocab_size else 0))
+        if not any(specs):
+            return None
+        rows_by_spec: dict[tuple[str, int], list[int]] = {}
+        for i, spec in enumerate(specs):
+            if spec is not None:
+                rows_by_spec.setdefault(spec, []).append(i)
+        groups = tuple(
+            EntropyGroup(mode, top_k, None if len(rows) == len(specs) else self._rows(rows))
+            for (mode, top_k), rows in rows_by_spec.items()
+        )
+        codes = [0 if s is None else ENTROPY_MODE_CODES[s[0]] for s in specs]
+        top_ks = [0 if s is None else s[1] for s in specs]
+        return EntropyPlan(
+            modes=torch.tensor(codes, dtype=torch.int32, device=self.device),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=self.device),
+            groups=groups,
+        )
+
+    def _rows(self, rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.int64, device=self.device)
 
     def apply_logits_processors(self, logits: torch.Tensor) -> None:
         """Apply penalties and the min_new_tokens EOS mask to ``logits`` [B, V] IN PLACE.

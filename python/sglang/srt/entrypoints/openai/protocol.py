@@ -67,6 +67,9 @@ class SamplingExtras(BaseModel):
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     return_entropy: bool = False
+    # Entropy definition for return_entropy (docs/entropy.md); None: the server's default.
+    entropy_mode: str | None = None
+    entropy_top_k: int | None = None
     rid: str | None = None
 
     def extra_sampling_params(self) -> dict[str, Any]:
@@ -139,6 +142,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     output_token_entropy: list[float] | None = None
+    # {"weight_version", "weight_versions"} of this choice's tokens (docs/weights.md)
+    metadata: dict[str, Any] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -148,6 +153,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
+    metadata: dict[str, Any] | None = None  # {"weight_version"} (SGLang's field)
 
 
 class CompletionStreamResponse(BaseModel):
@@ -232,6 +238,8 @@ class ChatCompletionChoice(BaseModel):
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     output_token_entropy: list[float] | None = None
+    # {"weight_version", "weight_versions"} of this choice's tokens (docs/weights.md)
+    metadata: dict[str, Any] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -241,6 +249,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    metadata: dict[str, Any] | None = None  # {"weight_version"} (SGLang's field)
 
 
 class DeltaMessage(BaseModel):
@@ -255,6 +264,8 @@ class ChatCompletionStreamChoice(BaseModel):
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     output_token_entropy: list[float] | None = None
+    # {"weight_version", "weight_versions"} of this choice's tokens (docs/weights.md)
+    metadata: dict[str, Any] | None = None
 
 
 class ChatCompletionStreamResponse(BaseModel):

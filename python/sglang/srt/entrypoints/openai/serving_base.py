@@ -200,6 +200,14 @@ class OpenAIServingBase:
             return None
         return list(meta_info.get("output_token_entropy") or [])[start:]
 
+    @staticmethod
+    def weight_metadata(meta_info: dict[str, Any]) -> dict[str, Any]:
+        """A choice's ``metadata``: the weight version of its last token and the spans."""
+        return {
+            "weight_version": meta_info.get("weight_version"),
+            "weight_versions": meta_info.get("weight_versions", []),
+        }
+
     def generate(self, obj: Any, raw_request: Request) -> AsyncIterator[Any]:
         return self.tm.generate_request(obj, raw_request)
 

@@ -99,6 +99,8 @@ class OpenAIServingChat(OpenAIServingBase):
             return_text_in_logprobs=True,
             stream=req.stream,
             return_entropy=req.return_entropy,
+            entropy_mode=req.entropy_mode,
+            entropy_top_k=req.entropy_top_k,
         )
 
     def _logprobs(self, meta: dict[str, Any], start: int) -> ChatChoiceLogprobs:
@@ -129,10 +131,12 @@ class OpenAIServingChat(OpenAIServingBase):
                 finish_reason=finish_reason,
                 matched_stop=matched,
                 output_token_entropy=self.entropy_slice(meta, 0, req.return_entropy),
+                metadata=self.weight_metadata(meta),
             ))
         return ChatCompletionResponse(
             id=response_id, model=self.model_name, choices=choices,
             usage=self.usage(outputs, req.n),
+            metadata={"weight_version": choices[0].metadata["weight_version"]},
         )
 
     def _stream(self, req: ChatCompletionRequest, first: Any,
@@ -164,6 +168,7 @@ class OpenAIServingChat(OpenAIServingBase):
                 yield chunk(ChatCompletionStreamChoice(
                     index=i, delta=DeltaMessage(), finish_reason=delta.finish_reason,
                     matched_stop=delta.matched_stop,
+                    metadata=self.weight_metadata(delta.meta_info),
                 ))
 
         def trailer() -> Iterable[bytes]:

@@ -67,6 +67,8 @@ class OpenAIServingCompletion(OpenAIServingBase):
             return_text_in_logprobs=True,
             stream=req.stream,
             return_entropy=req.return_entropy,
+            entropy_mode=req.entropy_mode,
+            entropy_top_k=req.entropy_top_k,
         )
 
     def _echo_texts(self, req: CompletionRequest, prompts: list[Any]) -> list[str]:
@@ -109,10 +111,12 @@ class OpenAIServingCompletion(OpenAIServingBase):
                 finish_reason=finish_reason,
                 matched_stop=matched,
                 output_token_entropy=self.entropy_slice(meta, 0, req.return_entropy),
+                metadata=self.weight_metadata(meta),
             ))
         return CompletionResponse(
             id=response_id, model=self.model_name, choices=choices,
             usage=self.usage(outputs, req.n),
+            metadata={"weight_version": choices[0].metadata["weight_version"]},
         )
 
     def _stream(self, req: CompletionRequest, first: Any,
@@ -139,6 +143,8 @@ class OpenAIServingCompletion(OpenAIServingBase):
                 matched_stop=delta.matched_stop,
                 output_token_entropy=self.entropy_slice(
                     delta.meta_info, delta.token_start, req.return_entropy),
+                metadata=None if delta.finish_reason is None
+                else self.weight_metadata(delta.meta_info),
             )
             chunk = CompletionStreamResponse(id=response_id, model=self.model_name,
                                              choices=[choice])

@@ -1,0 +1,135 @@
+"""Per-step sampling cost: with vs without entropy, and the sampler vs a naive torch sequence.
+
+For each batch size B (V = 151936 by default, random logits) it times one sampling step of the
+engine's sampler (``Sampler.forward``: token + chosen logprob) without and with per-token
+entropy, and the naive torch sequence a patched deployment runs (softmax, entropy, sort,
+cumulative top-p mask, multinomial). Two workloads: ``plain`` (temperature 1, no truncation,
+the usual RL rollout) and ``trunc`` (temperature 0.7, top_k 50, top_p 0.9).
+
+On CUDA the sampler is the fused Triton kernel (``--backend triton``, the default there); on
+CPU it is the torch reference (``pytorch``). Ratios compare timings of the same run.
+
+    python benchmark/bench_sampling.py                      # B in {1, 64, 256}
+    python benchmark/bench_sampling.py --batch-sizes 1 8 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang.srt.layers.sampler import Sampler
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+WORKLOADS = {
+    "plain": {"temperature": 1.0},
+    "trunc": {"temperature": 0.7, "top_k": 50, "top_p": 0.9},
+}
+
+
+@dataclass
+class _Req:
+    sampling_params: SamplingParams
+    sampling_seed: int
+    origin_input_ids: range
+    output_ids: list[int] = field(default_factory=list)
+    eos_token_ids: set[int] = field(default_factory=set)
+
+
+def make_info(batch: int, vocab: int, params: dict, entropy: str | None, device: str):
+    reqs = [_Req(SamplingParams(**params), i, range(100 + i)) for i in range(batch)]
+    requests = None if entropy is None else [(entropy, None)] * batch
+    return SamplingBatchInfo.from_reqs(reqs, vocab, device, requests)
+
+
+def naive_step(logits: torch.Tensor, params: dict) -> torch.Tensor:
+    """softmax -> entropy -> sort -> top-k/top-p mask -> renormalise -> multinomial."""
+    probs = torch.softmax(logits.float() / params["temperature"], dim=-1)
+    entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    keep = sorted_probs.cumsum(dim=-1) - sorted_probs < params.get("top_p", 1.0)
+    if params.get("top_k", -1) > 0:
+        keep[:, params["top_k"] :] = False
+    sorted_probs = sorted_probs * keep
+    choice = torch.multinomial(sorted_probs / sorted_probs.sum(-1, keepdim=True), 1)
+    return order.gather(1, choice).squeeze(1) + 0 * entropy.long()
+
+
+def timed(fns: list[Callable[[], object]], repeats: int, device: str) -> list[float]:
+    """Median seconds of each of ``fns``, run interleaved (one round = each fn once, the order
+    rotating from round to round) after a warm-up round, so that changes in machine load and
+    cache state affect them alike."""
+    times: list[list[float]] = [[] for _ in fns]
+    for round_idx in range(repeats + 1):
+        for k in range(len(fns)):
+            i = (k + round_idx) % len(fns)
+            fn, samples = fns[i], times[i]
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if round_idx > 0:
+                samples.append(time.perf_counter() - start)
+    return [statistics.median(samples) for samples in times]
+
+
+def bench_one(args: argparse.Namespace, batch: int, name: str) -> str:
+    params = WORKLOADS[name]
+    gen = torch.Generator(device=args.device).manual_seed(batch)
+    logits = torch.randn(batch, args.vocab, generator=gen, device=args.device) * 3
+    logits = logits.to(getattr(torch, args.dtype))
+    sampler = Sampler(args.backend)
+    plain = make_info(batch, args.vocab, params, None, args.device)
+    with_ent = make_info(batch, args.vocab, params, args.entropy_mode, args.device)
+    t_plain, t_ent, t_naive = timed(
+        [
+            lambda: sampler.forward(logits, plain, True, None),
+            lambda: sampler.forward(logits, with_ent, True, None),
+            lambda: naive_step(logits, params),
+        ],
+        args.repeats * max(1, 16 // batch),  # small steps: more runs for a stable median
+        args.device,
+    )
+    return (
+        f"{batch:>5} {name:>6} {t_plain * 1e3:>11.2f} {t_ent * 1e3:>11.2f} "
+        f"{t_ent / t_plain:>9.3f} {t_naive * 1e3:>11.2f} {t_naive / t_ent:>12.2f}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--backend", default=None, help="pytorch or triton (default: by device)")
+    parser.add_argument("--entropy-mode", default="raw", choices=["raw", "scaled", "sampled"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    args = parser.parse_args()
+    if args.backend is None:
+        args.backend = "triton" if args.device == "cuda" else "pytorch"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    header = (
+        f"backend={args.backend} device={args.device} V={args.vocab} dtype={args.dtype} "
+        f"entropy={args.entropy_mode} threads={torch.get_num_threads()} (median ms/step)\n"
+        f"{'B':>5} {'work':>6} {'no entropy':>11} {'entropy':>11} {'ent/none':>9} "
+        f"{'naive':>11} {'naive/ours':>12}"
+    )
+    print(header, flush=True)
+    for batch in args.batch_sizes:
+        for name in WORKLOADS:
+            print(bench_one(args, batch, name), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""The scheduler's weight-update handlers: updates from disk and from tensors, reading weights
+back, and the weight version label (docs/weights.md).
+
+Everything runs on the scheduler's loop between two forward passes, so a batch never sees a
+half-updated model. Order of an update:
+
+1. validate (model_loader.weight_update: on a meta twin; a refusal changes nothing at all);
+2. abort every request if asked;
+3. load in place; bump the *weight generation* (``ReqKV.weight_generation``);
+4. relabel if a version is given; the output processor attributes every later token to it;
+5. make old-weight KV unmatchable: a full flush when asked and nothing holds KV, else
+   ``tree_cache.invalidate()`` (requests paused in place keep their old-weight KV, which is
+   never cached: see req_kv).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.managers.io_struct import (
+    GetWeightsByNameReqInput,
+    GetWeightsByNameReqOutput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightsFromTensorReqOutput,
+    UpdateWeightVersionReqInput,
+    UpdateWeightVersionReqOutput,
+)
+from sglang.srt.model_loader import weight_update as wu
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from sglang.srt.managers.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_WEIGHT_VERSION = "default"
+_ABORT_MESSAGE = "Aborted by a weight update"
+
+
+class WeightUpdater:
+    """Weight updates for one scheduler. Owns the version label and the weight generation.
+
+    ``source`` is the checkpoint the live weights came from (None after a tensor update, whose
+    source cannot be re-read); a load that fails after validation reloads it.
+    """
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.model_config: ModelConfig = scheduler.model_config
+        self.version = DEFAULT_WEIGHT_VERSION
+        self.generation = 0
+        self.source: ModelConfig | None = (
+            None if self.model_config.load_format == "dummy" else self.model_config
+        )
+        self._meta_model: nn.Module | None = None
+
+    @property
+    def model(self) -> nn.Module:
+        return self.scheduler.tp_worker.model_runner.model
+
+    def meta_model(self) -> nn.Module:
+        if self._meta_model is None:
+            self._meta_model = wu.build_meta_model(self.model, self.model_config)
+        return self._meta_model
+
+    # ---- handlers ----------------------------------------------------------------------------
+    def update_from_disk(self, recv: UpdateWeightFromDiskReqInput) -> UpdateWeightFromDiskReqOutput:
+        """Validate, then swap in the checkpoint at ``recv.model_path``."""
+        try:
+            new_config = self._validate_disk(recv.model_path, recv.load_format)
+        except Exception as e:  # any refusal, including unreadable configs, changes nothing
+            logger.warning("Refused weight update from %s: %s", recv.model_path, e)
+            return UpdateWeightFromDiskReqOutput(False, f"Update refused: {e}", req_id=recv.req_id)
+        self._abort_all(recv.abort_all_requests)
+        try:
+            wu.load_checkpoint(self.model, new_config)
+            self.source = new_config
+            ok, message = True, f"Succeeded to update model weights from {recv.model_path}."
+        except Exception as e:  # I/O errors after validation: reload the previous weights
+            ok, message = False, self._recover(recv.model_path, e)
+        self._commit(recv.weight_version if ok else None, recv.flush_cache)
+        return UpdateWeightFromDiskReqOutput(
+            ok, message, self._num_alive(), req_id=recv.req_id
+        )
+
+    def update_from_tensor(
+        self, recv: UpdateWeightsFromTensorReqInput
+    ) -> UpdateWeightsFromTensorReqOutput:
+        """Validate every tensor first, then copy them all in."""
+        try:
+            wu.validate_tensors(self.meta_model(), recv.named_tensors, recv.load_format)
+        except Exception as e:  # whatever the caller sent, a refusal changes nothing
+            logger.warning("Refused tensor weight update: %s", e)
+            return UpdateWeightsFromTensorReqOutput(False, str(e), req_id=recv.req_id)
+        self._abort_all(recv.abort_all_requests)
+        try:
+            wu.load_tensors(self.model, recv.named_tensors, recv.load_format)
+            ok, message = True, f"Succeeded to update {len(recv.named_tensors)} tensor(s)."
+        except Exception as e:  # not expected after validation; the copy may be partial
+            logger.exception("Tensor weight update failed after validation")
+            ok, message = False, f"Failed to copy the tensors: {e}; the model may be partial"
+        self.source = None
+        self._commit(recv.weight_version if ok else None, recv.flush_cache)
+        return UpdateWeightsFromTensorReqOutput(ok, message, self._num_alive(), req_id=recv.req_id)
+
+    def get_weights_by_name(self, recv: GetWeightsByNameReqInput) -> GetWeightsByNameReqOutput:
+        try:
+            values = wu.get_weights_by_name(self.model, recv.name, int(recv.truncate_size))
+        except (wu.WeightUpdateError, TypeError, ValueError) as e:
+            return GetWeightsByNameReqOutput(None, str(e), req_id=recv.req_id)
+        return GetWeightsByNameReqOutput(values, req_id=recv.req_id)
+
+    def update_weight_version(
+        self, recv: UpdateWeightVersionReqInput
+    ) -> UpdateWeightVersionReqOutput:
+        """Relabel the current weights; tokens from now on carry ``recv.new_version``."""
+        if not isinstance(recv.new_version, str) or not recv.new_version:
+            return UpdateWeightVersionReqOutput(
+                False, "new_version must be a non-empty string", self.version, req_id=recv.req_id
+            )
+        num_aborted = self._abort_all(recv.abort_all_requests)
+        self.set_version(recv.new_version)
+        return UpdateWeightVersionReqOutput(
+            True,
+            f"Weight version updated to {recv.new_version}",
+            recv.new_version,
+            num_aborted,
+            req_id=recv.req_id,
+        )
+
+    # ---- steps -------------------------------------------------------------------------------
+    def set_version(self, version: str) -> None:
+        self.version = version
+        self.scheduler.output.weight_version = version
+
+    def _validate_disk(self, model_path: str, load_format: str | None) -> ModelConfig:
+        if not isinstance(model_path, str) or not model_path:
+            raise wu.WeightUpdateError("model_path must be a non-empty string")
+        if not os.path.exists(os.path.expanduser(model_path)):
+            raise wu.WeightUpdateError(f"model path {model_path!r} does not exist")
+        load_format = load_format or self.model_config.load_format
+        if load_format == "dummy":
+            raise wu.WeightUpdateError("load_format='dummy' has no weights to load")
+        live = self.model_config
+        new_config = ModelConfig(
+            model_path,
+            context_length=live.context_len,
+            dtype=_dtype_name(live),
+            trust_remote_code=live.trust_remote_code,
+            device=live.device,
+            load_format=load_format,
+        )
+        wu.check_config_compatible(live, new_config)
+        wu.validate_checkpoint(self.meta_model(), new_config)
+        return new_config
+
+    def _recover(self, model_path: str, error: Exception) -> str:
+        """After a failed load: reload ``source``; returns the failure message."""
+        logger.error("Loading weights from %s failed after validation: %s", model_path, error)
+        if self.source is None:
+            return (
+                f"Failed to load {model_path}: {error}. The previous weights came from tensors "
+                "and cannot be restored: the model may be partially updated; load a full "
+                "checkpoint before generating."
+            )
+        try:
+            wu.load_checkpoint(self.model, self.source)
+        except Exception as e:
+            logger.exception("Restoring %s failed too", self.source.model_path)
+            self.source = None
+            return f"Failed to load {model_path}: {error}; restoring the old weights failed: {e}"
+        return (
+            f"Failed to load {model_path}: {error}; the previous weights were reloaded from "
+            f"{self.source.model_path}."
+        )
+
+    def _abort_all(self, abort: bool) -> int:
+        if not abort:
+            return 0
+        return self.scheduler.abort_matching(lambda rid: True, _ABORT_MESSAGE)
+
+    def _commit(self, weight_version: str | None, flush: bool) -> None:
+        """The weights changed: new generation, optional new label, no stale KV matchable."""
+        self.generation += 1
+        self.scheduler.kv.weight_generation = self.generation
+        if weight_version is not None:
+            self.set_version(weight_version)
+        sched = self.scheduler
+        if not (flush and not sched.has_kv_holders() and sched.flush_cache().success):
+            sched.tree_cache.invalidate()
+
+    def _num_alive(self) -> int:
+        sched = self.scheduler
+        return (
+            len(sched.running_batch)
+            + len(sched.waiting_queue)
+            + (sched.chunked_req is not None)
+        )
+
+
+def _dtype_name(model_config: ModelConfig) -> str:
+    """The ``--dtype`` value that resolves to ``model_config.dtype`` again."""
+    return str(model_config.dtype).removeprefix("torch.")

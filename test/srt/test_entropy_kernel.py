@@ -1,0 +1,312 @@
+"""Fused Triton sampling kernel vs the torch reference (TRITON_INTERPRET=1 on CPU), entropy
+definitions and bounds, the sampling-backend registry and the entropy flags of ServerArgs."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import pytest
+import torch
+
+from sgl_kernel.sampling_reference import SampleOutput, gumbel_noise, sample_reference
+from sglang.srt.layers.sampler import SAMPLING_BACKENDS, Sampler, get_sampling_backend
+from sglang.srt.sampling.sampling_batch_info import EntropyRequest, SamplingBatchInfo
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs
+
+NEG_INF = float("-inf")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Iterator[ModuleType]:
+    """sgl_kernel.sampling with its kernels built for Triton's CPU interpreter.
+
+    Triton decides at decoration time whether a kernel is interpreted, so the module is
+    (re)imported with TRITON_INTERPRET=1 set; the variable is restored afterwards.
+    """
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        name = "sgl_kernel.sampling"
+        module = importlib.reload(sys.modules[name]) if name in sys.modules else None
+        yield module or importlib.import_module(name)
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+@dataclass
+class FakeReq:
+    sampling_params: SamplingParams
+    sampling_seed: int
+    origin_input_ids: range
+    output_ids: list[int] = field(default_factory=list)
+    eos_token_ids: set[int] = field(default_factory=set)
+
+
+def make_info(
+    params: list[dict], vocab: int, entropy: list[EntropyRequest | None] | None = None
+) -> SamplingBatchInfo:
+    reqs = [
+        FakeReq(SamplingParams(**p), sampling_seed=7919 * i + 5, origin_input_ids=range(3 + i))
+        for i, p in enumerate(params)
+    ]
+    return SamplingBatchInfo.from_reqs(reqs, vocab, "cpu", entropy)
+
+
+def run_both(
+    kernel: ModuleType, logits: torch.Tensor, info: SamplingBatchInfo, return_logprob: bool = True
+) -> tuple[SampleOutput, SampleOutput]:
+    plan = info.entropy_plan("raw", 0)
+    got = kernel.sample_triton(logits, info, return_logprob, None, plan)
+    want = sample_reference(logits, info, return_logprob, None, plan)
+    return got, want
+
+
+def assert_same(got: SampleOutput, want: SampleOutput) -> None:
+    assert got.next_token_ids.tolist() == want.next_token_ids.tolist()
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-6)
+    if want.entropies is None:
+        assert got.entropies is None
+    else:
+        torch.testing.assert_close(got.entropies, want.entropies, rtol=1e-5, atol=1e-6)
+
+
+# Every truncation combination, greedy (temperature 0 and top_k 1), several temperatures.
+TRUNCATIONS = [
+    {"temperature": 0.0},
+    {"temperature": 0.7, "top_k": 1},
+    {"temperature": 1.0},
+    {"temperature": 0.6},
+    {"temperature": 1.3, "top_k": 20},
+    {"temperature": 0.9, "top_p": 0.8},
+    {"temperature": 1.0, "min_p": 0.05},
+    {"temperature": 1.1, "top_k": 40, "top_p": 0.95},
+    {"temperature": 0.8, "top_k": 7, "min_p": 0.02},
+    {"temperature": 1.2, "top_p": 0.5, "min_p": 0.1},
+    {"temperature": 0.7, "top_k": 50, "top_p": 0.9, "min_p": 0.01},
+]
+ENTROPY_SPECS: list[EntropyRequest | None] = [
+    ("raw", 0), ("scaled", 0), ("sampled", 0), ("raw", 10), ("scaled", 3), ("sampled", 25), None,
+]  # fmt: skip
+
+
+def special_rows(num_rows: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """Random rows, then: masked (-inf) entries, very peaked, uniform, ties at the top,
+    almost everything masked."""
+    logits = torch.randn(num_rows, vocab, generator=gen) * 3
+    specials = [
+        lambda r: r.index_fill_(0, torch.arange(0, vocab, 3), NEG_INF),
+        lambda r: r.index_fill_(0, torch.tensor([vocab // 2]), 40.0),
+        lambda r: r.zero_(),
+        lambda r: r.index_fill_(0, torch.arange(5, vocab, vocab // 8), 9.0),
+        lambda r: r.index_fill_(0, torch.arange(3, vocab), NEG_INF),
+    ]
+    for i, fill in enumerate(specials[: num_rows - 1]):
+        fill(logits[num_rows - 1 - i])
+    return logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab, num_rows", [(1000, 16), (49152, 3), (151936, 2)])
+def test_kernel_matches_reference(kernel, dtype: torch.dtype, vocab: int, num_rows: int):
+    gen = torch.Generator().manual_seed(vocab + num_rows)
+    params = [TRUNCATIONS[(i * 7 + 4) % len(TRUNCATIONS)] for i in range(num_rows)]
+    specs = [ENTROPY_SPECS[(i * 3 + vocab) % len(ENTROPY_SPECS)] for i in range(num_rows)]
+    logits = special_rows(num_rows, vocab, gen).to(dtype)
+    got, want = run_both(kernel, logits, make_info(params, vocab, specs))
+    assert_same(got, want)
+    assert got.entropies is not None and bool(torch.isfinite(got.entropies).all())
+
+
+def test_kernel_reads_any_row_stride_and_skips_entropy_when_unasked(kernel):
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn(6, 700, generator=gen) * 2
+    logits = wide[:, :613]  # row stride 700, not contiguous
+    info = make_info(TRUNCATIONS[2:8], 613)
+    got, want = run_both(kernel, logits, info)
+    assert got.entropies is None and want.entropies is None
+    assert_same(got, want)
+    contiguous = kernel.sample_triton(logits.contiguous(), info, False, None, None)
+    assert contiguous.next_token_ids.tolist() == got.next_token_ids.tolist()
+    assert contiguous.logprobs is None
+
+
+def test_uniform_rows_follow_the_noise_alone(kernel):
+    # Equal logits: the token is the argmax of the contract noise, so any bit of the hash
+    # that differs between kernel and reference shows up here.
+    vocab, num_rows = 3000, 24
+    info = make_info([{"temperature": 1.0}] * num_rows, vocab)
+    got = kernel.sample_triton(torch.zeros(num_rows, vocab), info, False, None, None)
+    noise = gumbel_noise(info.seeds, info.positions, vocab)
+    assert got.next_token_ids.tolist() == noise.argmax(dim=-1).tolist()
+
+
+def test_chi_square_of_kernel_samples(kernel):
+    # 8 tokens in a scrambled order; min_p 0.3 keeps p >= 0.12: tokens 4, 1 and 6.
+    probs = {4: 0.40, 1: 0.25, 6: 0.15, 0: 0.10, 7: 0.05, 2: 0.03, 3: 0.015, 5: 0.005}
+    row = torch.tensor([math.log(probs[v]) for v in range(8)])
+    num_samples = 300
+    info = make_info([{"temperature": 1.0, "min_p": 0.3}] * num_samples, 8)
+    counts = torch.bincount(
+        kernel.sample_triton(row.repeat(num_samples, 1), info, False, None, None).next_token_ids,
+        minlength=8,
+    )
+    assert set(counts.nonzero().squeeze(1).tolist()) == {1, 4, 6}
+    kept = torch.tensor([probs[v] if v in (1, 4, 6) else 0.0 for v in range(8)])
+    chi2_truncated = _chi_square(counts, kept / kept.sum())
+    chi2_untruncated = _chi_square(counts[[1, 4, 6]], torch.tensor([0.25, 0.40, 0.15]) / 0.8)
+    assert chi2_truncated < 13.8  # 2 degrees of freedom, p = 0.001
+    assert chi2_untruncated < 13.8
+    wrong = torch.tensor([probs[v] for v in range(8)])
+    assert _chi_square(counts, wrong) > 50  # the untruncated distribution is rejected
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    used = expected > 0
+    return float(((counts[used] - expected[used]) ** 2 / expected[used]).sum())
+
+
+# ---- entropy definitions ------------------------------------------------------------------
+
+
+def _float64_entropy(values: torch.Tensor) -> float:
+    logp = torch.log_softmax(values.double(), dim=-1)
+    p = logp.exp()
+    return float(-(torch.where(p > 0, p * logp, 0.0)).sum())
+
+
+@pytest.mark.parametrize("backend", ["reference", "kernel"])
+def test_entropy_definitions(kernel, backend: str):
+    gen = torch.Generator().manual_seed(11)
+    vocab = 300
+    logits = torch.randn(1, vocab, generator=gen).repeat(6, 1) * 2.5
+    logits[:, 7] = NEG_INF  # masked entries have probability 0
+    params = [{"temperature": 0.7, "top_k": 30, "top_p": 0.9, "min_p": 0.01}] * 6
+    specs = [("raw", 0), ("scaled", 0), ("sampled", 0), ("raw", 12), ("scaled", 12), ("sampled", 9)]
+    info = make_info(params, vocab, specs)
+    sample = kernel.sample_triton if backend == "kernel" else sample_reference
+    got = sample(logits, info, False, None, info.entropy_plan("raw", 0)).entropies
+    x = logits[0].double()
+    scaled = (logits[0] / 0.7).double()
+    sorted_scaled = scaled.sort(descending=True).values
+    probs = torch.softmax(sorted_scaled, dim=-1)
+    cum_before = probs.cumsum(0) - probs
+    keep = (cum_before < 0.9) & (torch.arange(vocab) < 30) & (probs >= 0.01 * probs[0])
+    allowed = sorted_scaled[keep]
+    want = [
+        _float64_entropy(x),
+        _float64_entropy(scaled),
+        _float64_entropy(allowed),
+        _float64_entropy(x.topk(12).values),
+        _float64_entropy(scaled.topk(12).values),
+        _float64_entropy(allowed[:9]),
+    ]
+    assert got.tolist() == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert want[2] < want[1] and want[4] <= math.log(12)  # the definitions do differ
+
+
+def test_entropy_bounds_and_special_rows(kernel):
+    vocab = 1000
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.cat([special_rows(6, vocab, gen)] * 3)
+    specs = [("raw", 0)] * 6 + [("scaled", 16)] * 6 + [("sampled", 0)] * 6
+    params = ([{"temperature": 1.5}] * 6) + ([{"temperature": 0.5, "top_p": 0.9}] * 12)
+    info = make_info(params, vocab, specs)
+    got, want = run_both(kernel, logits, info, return_logprob=False)
+    assert_same_tokens_and_entropy(got, want)
+    ent = got.entropies
+    assert bool((ent >= -1e-6).all())
+    assert bool((ent[:6] <= math.log(vocab) + 1e-5).all())
+    assert bool((ent[6:12] <= math.log(16) + 1e-5).all())
+    uniform, peaked, few = 3, 4, 1  # rows of special_rows(6, ...): zeros, +40, 3 finite
+    assert ent[uniform].item() == pytest.approx(math.log(vocab), rel=1e-5)
+    assert ent[6 + uniform].item() == pytest.approx(math.log(16), rel=1e-5)
+    assert ent[peaked].item() == pytest.approx(0.0, abs=1e-5)
+    assert ent[few].item() <= math.log(3) + 1e-6
+
+
+def assert_same_tokens_and_entropy(got: SampleOutput, want: SampleOutput) -> None:
+    assert got.next_token_ids.tolist() == want.next_token_ids.tolist()
+    torch.testing.assert_close(got.entropies, want.entropies, rtol=1e-5, atol=1e-6)
+
+
+def test_top_k_entropy_counts_boundary_ties_as_topk_does(kernel):
+    # K = 2 over 3, 2, 2, 2, 1: the multiset {3, 2}, as torch.topk returns it.
+    logits = torch.tensor([[2.0, 3.0, 2.0, 1.0, 2.0]] * 2)
+    info = make_info([{"temperature": 1.0}, {"temperature": 0.0}], 5, [("raw", 2), ("sampled", 2)])
+    got, want = run_both(kernel, logits, info)
+    assert_same(got, want)
+    assert got.entropies[0].item() == pytest.approx(_float64_entropy(torch.tensor([3.0, 2.0])))
+    assert got.entropies[1].item() == 0.0  # a greedy row samples a point mass
+
+
+def test_entropy_does_not_change_tokens_or_logprobs(kernel):
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(len(TRUNCATIONS), 500, generator=gen) * 2
+    plain = make_info(TRUNCATIONS, 500)
+    with_entropy = make_info(TRUNCATIONS, 500, [("sampled", 0)] * len(TRUNCATIONS))
+    for sample in (kernel.sample_triton, sample_reference):
+        a = sample(logits, plain, True, None, plain.entropy_plan("raw", 0))
+        b = sample(logits, with_entropy, True, None, with_entropy.entropy_plan("raw", 0))
+        assert a.entropies is None and b.entropies is not None
+        assert a.next_token_ids.tolist() == b.next_token_ids.tolist()
+        assert a.logprobs.tolist() == b.logprobs.tolist()
+
+
+# ---- plan, registry, server arguments -----------------------------------------------------
+
+
+def test_entropy_plan_groups_rows_and_applies_defaults():
+    requests = [None, (None, None), ("sampled", None), (None, 7), ("raw", 500)]
+    info = make_info([{}] * 5, 100, requests)
+    assert make_info([{}] * 2, 100).entropy_plan("raw", 0) is None
+    plan = info.entropy_plan("scaled", 0)
+    assert plan.modes.tolist() == [0, 2, 3, 2, 1]
+    assert plan.top_ks.tolist() == [0, 0, 0, 7, 0]  # K >= V means the full vocabulary
+    assert {(g.mode, g.top_k, tuple(g.rows.tolist())) for g in plan.groups} == {
+        ("scaled", 0, (1,)), ("sampled", 0, (2,)), ("scaled", 7, (3,)), ("raw", 0, (4,)),
+    }  # fmt: skip
+    assert info.entropy_plan("scaled", 0) is plan  # built once per batch composition
+    assert info.entropy_plan("raw", 3).top_ks.tolist() == [0, 3, 3, 7, 0]
+
+
+def test_backend_registry(kernel):
+    assert SAMPLING_BACKENDS == ("pytorch", "triton")
+    with pytest.raises(ValueError, match="supported: pytorch, triton"):
+        get_sampling_backend("cuda_graph")
+    with pytest.raises(ValueError, match="entropy mode"):
+        Sampler("pytorch", entropy_mode="exact")
+    info = make_info(TRUNCATIONS, 64, [(None, None)] * len(TRUNCATIONS))
+    logits = torch.randn(len(TRUNCATIONS), 64, generator=torch.Generator().manual_seed(1))
+    outs = [Sampler(name, "scaled").forward(logits, info, True, [2] * 11) for name in ("pytorch",)]
+    outs.append(SampleOutput(*kernel.sample_triton(logits, info, True, [2] * 11,
+                                                   info.entropy_plan("scaled", 0))))
+    assert_same(outs[1], outs[0])
+    torch.testing.assert_close(outs[1].top_logprobs_val, outs[0].top_logprobs_val)
+    assert outs[1].top_logprobs_idx.tolist() == outs[0].top_logprobs_idx.tolist()
+
+
+def test_server_args_sampling_backend_and_entropy_flags(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args = ServerArgs(model_path="m", device="cpu")
+    assert args.sampling_backend == "pytorch"
+    assert (args.entropy_mode, args.entropy_top_k) == ("raw", 0)
+    assert not args.enable_entropy_with_logprobs
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        ServerArgs(model_path="m", device="cpu", sampling_backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert ServerArgs(model_path="m", device="cpu", sampling_backend="triton").device == "cpu"
+    with pytest.raises(ValueError, match="--entropy-mode"):
+        ServerArgs(model_path="m", device="cpu", entropy_mode="exact")
+    with pytest.raises(ValueError, match="--entropy-top-k"):
+        ServerArgs(model_path="m", device="cpu", entropy_top_k=-1)

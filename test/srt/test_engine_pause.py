@@ -315,7 +315,7 @@ def test_stress_random_control_calls(engine) -> None:
 
 def test_pause_abort_races_tokenization(engine) -> None:
     """A pause racing a big batch still being tokenized: every request ends exactly once."""
-    texts = [f"request {i} " + "lorem ipsum dolor " * 60 for i in range(16)]
+    texts = [f"request {i} " + "lorem ipsum dolor " * 12 for i in range(16)]
     params = {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(engine.generate, texts, params, return_logprob=True)

@@ -10,11 +10,13 @@ from __future__ import annotations
 import faulthandler
 import logging
 import signal
+import threading
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
 import zmq
+from tqdm import tqdm
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.hf_transformers_utils import get_tokenizer
@@ -474,6 +476,9 @@ def run_scheduler_process(
     """Entry point of the scheduler subprocess: report ready (or the error), then loop."""
     configure_logger(server_args.log_level, prefix=" Scheduler")
     faulthandler.register(signal.SIGUSR1)
+    # tqdm's default lock is a multiprocessing semaphore, which this process cannot release when
+    # it is killed at shutdown (the resource tracker then warns about a leak): use a thread lock.
+    tqdm.set_lock(threading.RLock())
     try:
         scheduler = Scheduler(server_args, port_args)
     except Exception as e:  # any failure at start-up is reported to the launcher verbatim

@@ -74,7 +74,8 @@ def expected_entropy(logits: torch.Tensor, mode: str, top_k: int) -> list[float]
         elif mode == "scaled":
             values = row / temp
         else:
-            values = allowed_values(row / temp, SAMPLED["top_k"], SAMPLED["top_p"], SAMPLED["min_p"])
+            top_k_s, top_p, min_p = SAMPLED["top_k"], SAMPLED["top_p"], SAMPLED["min_p"]
+            values = allowed_values(row / temp, top_k_s, top_p, min_p)
         out.append(entropy64(values.topk(min(top_k, len(values))).values if top_k else values))
     return out
 
@@ -113,7 +114,9 @@ def _overrides_reach_the_sampler(engine) -> bool:
     return out["meta_info"]["output_token_entropy"] == [0.0]
 
 
-@pytest.mark.parametrize("mode, top_k", [("scaled", 0), ("sampled", 0), ("raw", 20), ("sampled", 5)])
+@pytest.mark.parametrize(
+    "mode, top_k", [("scaled", 0), ("sampled", 0), ("raw", 20), ("sampled", 5)]
+)
 def test_each_definition_matches_transformers(engine, hf_model, mode: str, top_k: int) -> None:
     if "entropy_mode" not in inspect.signature(sgl.Engine.generate).parameters:
         pytest.skip("Engine.generate does not take entropy_mode/entropy_top_k yet")

@@ -310,3 +310,27 @@ def test_server_args_sampling_backend_and_entropy_flags(monkeypatch):
         ServerArgs(model_path="m", device="cpu", entropy_mode="exact")
     with pytest.raises(ValueError, match="--entropy-top-k"):
         ServerArgs(model_path="m", device="cpu", entropy_top_k=-1)
+
+
+def test_request_overrides_are_validated_and_split_per_prompt():
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.tokenizer_manager import _check_entropy_args
+
+    _check_entropy_args(None, None)
+    _check_entropy_args("sampled", 0)
+    with pytest.raises(ValueError, match="entropy_mode"):
+        _check_entropy_args("exact", None)
+    for bad_k in (-1, True, 2.5):
+        with pytest.raises(ValueError, match="entropy_top_k"):
+            _check_entropy_args(None, bad_k)
+    obj = GenerateReqInput(
+        input_ids=[[1], [2]], return_entropy=True, entropy_mode=["raw", "sampled"], entropy_top_k=5
+    )
+    obj.normalize_batch_and_arguments()
+    assert [(obj[i].entropy_mode, obj[i].entropy_top_k) for i in range(2)] == [
+        ("raw", 5), ("sampled", 5),
+    ]  # fmt: skip
+    req = Req("r", [1, 2], SamplingParams(), 0, set(), return_entropy=True, entropy_mode="scaled")
+    assert req.entropy_request == ("scaled", None)
+    assert Req("s", [1], SamplingParams(), 0, set(), entropy_mode="raw").entropy_request is None

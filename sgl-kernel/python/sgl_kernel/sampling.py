@@ -181,95 +181,54 @@ def _search_pass(
 
 
 @triton.jit
-def _fused_sample_kernel(
-    logits_ptr, row_stride, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
-    seeds_ptr, positions_ptr, greedy_ptr, ent_modes_ptr, ent_top_ks_ptr,
-    next_ids_ptr, logprobs_ptr, entropies_ptr, vocab_size,
-    BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr,
-    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-    HAS_ENTROPY: tl.constexpr, HAS_RAW: tl.constexpr, HAS_SUBSET: tl.constexpr,
-    HAS_ENT_TOP_K: tl.constexpr,
+def _first_pass(
+    row_ptr, vocab_size, temp, row_key, gumbel_now, needs_raw,
+    BLOCK: tl.constexpr, WITH_DEV: tl.constexpr, HAS_RAW: tl.constexpr,
+    NEED_MIN: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * row_stride
-    temp = tl.load(temperatures_ptr + row)
-    sampled = tl.load(greedy_ptr + row) == 0
-    top_k = tl.load(top_ks_ptr + row)
-    top_p = tl.load(top_ps_ptr + row)
-    min_p = tl.load(min_ps_ptr + row)
-    # HAS_* say whether any row of the batch uses the criterion (compiling out the rest).
-    uses_k = sampled & (top_k < vocab_size)
-    uses_p = sampled & (top_p < 1.0)
-    uses_min_p = sampled & (min_p > 0.0)
-    truncates = uses_k | uses_p | uses_min_p
-    seed_key = _hash32(tl.load(positions_ptr + row).to(tl.uint32) ^ _SALT)
-    row_key = _hash32(tl.load(seeds_ptr + row).to(tl.uint32) ^ seed_key)
-    ent_mode = tl.zeros([], dtype=tl.int32)
-    ent_k = tl.zeros([], dtype=tl.int64)
-    if HAS_ENTROPY:
-        ent_mode = tl.load(ent_modes_ptr + row)
-        ent_k = tl.load(ent_top_ks_ptr + row)
-    needs_raw = (ent_mode == _RAW) & (ent_k == 0) & (temp != 1.0)
-    uses_ent_k = (ent_k > 0) & ~((ent_mode == _SAMPLED) & ~sampled)
-
-    # ---- pass 1: statistics, argmax, Gumbel-max of rows that do not truncate ----
+    """Pass 1: online statistics of x = logits / T (and of the raw logits for ``needs_raw``),
+    argmax of the logits, row minima (search bounds, when NEED_MIN), and the Gumbel-max
+    (score, index) when ``gumbel_now`` (a sampled row that does not truncate)."""
     neg_inf = tl.full([], float("-inf"), tl.float32)
-    pos_inf = tl.full([], float("inf"), tl.float32)
     zero = tl.zeros([], dtype=tl.float32)
     m_x, s_x, a_x = neg_inf, zero, zero
     m_l, s_l, a_l = neg_inf, zero, zero
-    min_l, min_x = pos_inf, pos_inf
+    min_l = tl.full([], float("inf"), tl.float32)
+    min_x = min_l
     best_l, best_l_idx = neg_inf, tl.zeros([], dtype=tl.int32)
     best_s, best_s_idx = neg_inf, tl.zeros([], dtype=tl.int32)
-    gumbel_now = sampled & ~truncates
     for start in range(0, vocab_size, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         valid = cols < vocab_size
         logit = tl.load(row_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32)
         x = tl.math.div_rn(logit, temp)
-        m_x, s_x, a_x = _merge_stats(m_x, s_x, a_x, x, HAS_ENTROPY)
+        m_x, s_x, a_x = _merge_stats(m_x, s_x, a_x, x, WITH_DEV)
         if HAS_RAW:  # noqa: SIM102 (constexpr guard: compiled out)
             if needs_raw:
                 m_l, s_l, a_l = _merge_stats(m_l, s_l, a_l, logit, True)
         best_l, best_l_idx = _argmax_update(best_l, best_l_idx, logit, cols)
-        if HAS_TOP_K or HAS_TOP_P or HAS_ENT_TOP_K:
+        if NEED_MIN:
             min_l = tl.minimum(min_l, tl.min(tl.where(valid, logit, float("inf")), axis=0))
             min_x = tl.minimum(min_x, tl.min(tl.where(valid, x, float("inf")), axis=0))
         if gumbel_now:
             score = x - _neg_log_gumbel(row_key, cols)
             best_s, best_s_idx = _argmax_update(best_s, best_s_idx, score, cols)
-    log_z = m_x + tl.log(s_x)
+    return (m_x, s_x, a_x, m_l, s_l, a_l, min_l, min_x, best_l, best_l_idx, best_s,
+            best_s_idx)  # fmt: skip
 
-    # ---- pass 2: thresholds (int64 key intervals; lo == hi: nothing to search) ----
-    k_lo = tl.where(uses_k, _sort_key(min_l), 0).to(tl.int64)
-    k_hi = tl.where(uses_k, _sort_key(best_l), 0).to(tl.int64)
-    p_lo = tl.where(uses_p, _sort_key(min_x), 0).to(tl.int64)
-    p_hi = tl.where(uses_p, _sort_key(m_x), 0).to(tl.int64)
-    e_lo = tl.where(uses_ent_k, _sort_key(min_l), 0).to(tl.int64)
-    e_hi = tl.where(uses_ent_k, _sort_key(best_l), 0).to(tl.int64)
-    if HAS_TOP_K or HAS_TOP_P or HAS_ENT_TOP_K:
-        while (k_lo < k_hi) | (p_lo < p_hi) | (e_lo < e_hi):
-            k_lo, k_hi, p_lo, p_hi, e_lo, e_hi = _search_pass(
-                row_ptr, vocab_size, temp, log_z, top_k, top_p, ent_k,
-                k_lo, k_hi, p_lo, p_hi, e_lo, e_hi,
-                SEARCH_BLOCK, NUM_PIVOTS, HAS_TOP_K, HAS_TOP_P, HAS_ENT_TOP_K,
-            )  # fmt: skip
-    thr = neg_inf
-    if HAS_MIN_P:
-        thr = tl.where(uses_min_p, m_x + tl.log(tl.where(uses_min_p, min_p, 1.0)), thr)
-    if HAS_TOP_K:
-        thr = tl.maximum(thr, tl.where(uses_k, tl.math.div_rn(_key_value(k_lo), temp), thr))
-    if HAS_TOP_P:
-        thr = tl.maximum(thr, tl.where(uses_p, _key_value(p_lo), thr))
 
-    # ---- pass 3: Gumbel-max over {x >= thr}; statistics of the entropy subset ----
-    subset = uses_ent_k | ((ent_mode == _SAMPLED) & truncates)
-    t_e = tl.where(uses_ent_k, _key_value(e_lo), float("-inf"))
-    thr_e = tl.where(ent_mode == _SAMPLED, thr, float("-inf"))
-    v_max = tl.where(ent_mode == _RAW, best_l, m_x)
-    s_f, a_f = zero, zero
+@triton.jit
+def _final_pass(
+    row_ptr, vocab_size, temp, row_key, final_len, truncates, thr, subset, ent_mode, thr_e,
+    t_e, v_max, best_s, best_s_idx,
+    BLOCK: tl.constexpr, HAS_SUBSET: tl.constexpr,
+):  # fmt: skip
+    """Pass 3 over the first ``final_len`` columns (0: skipped): the Gumbel-max over
+    {x >= thr} of a truncating row, and the statistics (relative to ``v_max``) of the entropy
+    subset {x >= thr_e, logit > t_e}, with the count of logits above ``t_e``."""
+    s_f = tl.zeros([], dtype=tl.float32)
+    a_f = tl.zeros([], dtype=tl.float32)
     num_above = tl.zeros([], dtype=tl.int64)
-    final_len = tl.where(truncates | subset, vocab_size, 0)
     for start in range(0, final_len, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         logit = tl.load(row_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
@@ -285,16 +244,77 @@ def _fused_sample_kernel(
                 s_f += tl.sum(e, axis=0)
                 a_f += tl.sum(e * dev, axis=0)
                 num_above += tl.sum((logit > t_e).to(tl.int64), axis=0)
-    if HAS_ENT_TOP_K:
-        # The K-th largest value, repeated K - count(> t) times (ties at the boundary).
-        x_t = tl.math.div_rn(t_e, temp)
-        kept = uses_ent_k & ((ent_mode != _SAMPLED) | (x_t >= thr))
-        dev_t = tl.where(kept, tl.where(ent_mode == _RAW, t_e, x_t) - v_max, 0.0)
-        dev_t = tl.maximum(dev_t, -3.4028234663852886e38)  # t = -inf: K > finite values
-        e_t = tl.where(kept, (ent_k - num_above).to(tl.float32) * tl.exp(dev_t), 0.0)
-        s_f += e_t
-        a_f += e_t * dev_t
+    return best_s, best_s_idx, s_f, a_f, num_above
 
+
+@triton.jit
+def _fused_sample_kernel(
+    logits_ptr, row_stride, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
+    seeds_ptr, positions_ptr, greedy_ptr, ent_modes_ptr, ent_top_ks_ptr,
+    next_ids_ptr, logprobs_ptr, entropies_ptr, vocab_size,
+    BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NUM_PIVOTS: tl.constexpr,
+    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr, HAS_RAW: tl.constexpr, HAS_SUBSET: tl.constexpr,
+    HAS_ENT_TOP_K: tl.constexpr,
+):  # fmt: skip
+    """One row per program; HAS_* say whether any row of the batch uses a feature (the code of
+    the others is compiled out). Writes next_ids, logprobs and (HAS_ENTROPY) entropies."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_stride
+    temp = tl.load(temperatures_ptr + row)
+    sampled = tl.load(greedy_ptr + row) == 0
+    top_k = tl.load(top_ks_ptr + row)
+    top_p = tl.load(top_ps_ptr + row)
+    min_p = tl.load(min_ps_ptr + row)
+    uses_k, uses_p = sampled & (top_k < vocab_size), sampled & (top_p < 1.0)
+    uses_min_p = sampled & (min_p > 0.0)
+    truncates = uses_k | uses_p | uses_min_p
+    seed_key = _hash32(tl.load(positions_ptr + row).to(tl.uint32) ^ _SALT)
+    row_key = _hash32(tl.load(seeds_ptr + row).to(tl.uint32) ^ seed_key)
+    ent_mode = tl.zeros([], dtype=tl.int32)
+    ent_k = tl.zeros([], dtype=tl.int64)
+    if HAS_ENTROPY:
+        ent_mode = tl.load(ent_modes_ptr + row)
+        ent_k = tl.load(ent_top_ks_ptr + row)
+    needs_raw = (ent_mode == _RAW) & (ent_k == 0) & (temp != 1.0)
+    uses_ent_k = (ent_k > 0) & ~((ent_mode == _SAMPLED) & ~sampled)
+    HAS_SEARCH: tl.constexpr = HAS_TOP_K or HAS_TOP_P or HAS_ENT_TOP_K
+
+    m_x, s_x, a_x, m_l, s_l, a_l, min_l, min_x, best_l, best_l_idx, best_s, best_s_idx = (
+        _first_pass(row_ptr, vocab_size, temp, row_key, sampled & ~truncates, needs_raw,
+                    BLOCK, HAS_ENTROPY, HAS_RAW, HAS_SEARCH)
+    )  # fmt: skip
+    log_z = m_x + tl.log(s_x)
+    # Pass 2: thresholds, as int64 key intervals (lo == hi: nothing to search).
+    k_lo = tl.where(uses_k, _sort_key(min_l), 0).to(tl.int64)
+    k_hi = tl.where(uses_k, _sort_key(best_l), 0).to(tl.int64)
+    p_lo = tl.where(uses_p, _sort_key(min_x), 0).to(tl.int64)
+    p_hi = tl.where(uses_p, _sort_key(m_x), 0).to(tl.int64)
+    e_lo = tl.where(uses_ent_k, _sort_key(min_l), 0).to(tl.int64)
+    e_hi = tl.where(uses_ent_k, _sort_key(best_l), 0).to(tl.int64)
+    if HAS_SEARCH:
+        while (k_lo < k_hi) | (p_lo < p_hi) | (e_lo < e_hi):
+            k_lo, k_hi, p_lo, p_hi, e_lo, e_hi = _search_pass(
+                row_ptr, vocab_size, temp, log_z, top_k, top_p, ent_k,
+                k_lo, k_hi, p_lo, p_hi, e_lo, e_hi,
+                SEARCH_BLOCK, NUM_PIVOTS, HAS_TOP_K, HAS_TOP_P, HAS_ENT_TOP_K,
+            )  # fmt: skip
+    thr = tl.full([], float("-inf"), tl.float32)
+    if HAS_MIN_P:
+        thr = tl.where(uses_min_p, m_x + tl.log(tl.where(uses_min_p, min_p, 1.0)), thr)
+    if HAS_TOP_K:
+        thr = tl.maximum(thr, tl.where(uses_k, tl.math.div_rn(_key_value(k_lo), temp), thr))
+    if HAS_TOP_P:
+        thr = tl.maximum(thr, tl.where(uses_p, _key_value(p_lo), thr))
+
+    subset = uses_ent_k | ((ent_mode == _SAMPLED) & truncates)
+    t_e = tl.where(uses_ent_k, _key_value(e_lo), float("-inf"))
+    v_max = tl.where(ent_mode == _RAW, best_l, m_x)
+    best_s, best_s_idx, s_f, a_f, num_above = _final_pass(
+        row_ptr, vocab_size, temp, row_key, tl.where(truncates | subset, vocab_size, 0),
+        truncates, thr, subset, ent_mode, tl.where(ent_mode == _SAMPLED, thr, float("-inf")),
+        t_e, v_max, best_s, best_s_idx, BLOCK, HAS_SUBSET,
+    )  # fmt: skip
     next_id = tl.where(sampled, best_s_idx, best_l_idx)
     chosen = tl.math.div_rn(tl.load(row_ptr + next_id).to(tl.float32), temp)
     tl.store(next_ids_ptr + row, next_id.to(tl.int64))
@@ -303,10 +323,27 @@ def _fused_sample_kernel(
         ent = _entropy(s_x, a_x)
         if HAS_RAW:
             ent = tl.where(needs_raw, _entropy(s_l, a_l), ent)
+        if HAS_ENT_TOP_K:
+            # The K-th largest value, repeated K - count(> t) times (ties at the boundary).
+            s_f, a_f = _add_boundary_copies(s_f, a_f, uses_ent_k, ent_mode, ent_k, num_above,
+                                            t_e, temp, thr, v_max)  # fmt: skip
         if HAS_SUBSET:
             ent = tl.where(subset, _entropy(s_f, a_f), ent)
         ent = tl.where(((ent_mode == _SAMPLED) & ~sampled) | (ent_mode == 0), 0.0, ent)
         tl.store(entropies_ptr + row, ent)
+
+
+@triton.jit
+def _add_boundary_copies(s_f, a_f, uses_ent_k, ent_mode, ent_k, num_above, t_e, temp, thr,
+                         v_max):  # fmt: skip
+    """Add ``K - count(logit > t)`` copies of the K-th largest logit ``t`` to the subset's
+    statistics (the sampled mode keeps them only when they are allowed)."""
+    x_t = tl.math.div_rn(t_e, temp)
+    kept = uses_ent_k & ((ent_mode != _SAMPLED) | (x_t >= thr))
+    dev_t = tl.where(kept, tl.where(ent_mode == _RAW, t_e, x_t) - v_max, 0.0)
+    dev_t = tl.maximum(dev_t, -3.4028234663852886e38)  # t = -inf: K > the finite values
+    e_t = tl.where(kept, (ent_k - num_above).to(tl.float32) * tl.exp(dev_t), 0.0)
+    return s_f + e_t, a_f + e_t * dev_t
 
 
 def sample_triton(

@@ -210,7 +210,21 @@ class SoftmaxStats(NamedTuple):
 
 def row_softmax_stats(x: torch.Tensor, with_entropy: bool) -> SoftmaxStats:
     """:class:`SoftmaxStats` of ``x`` [b, V], bitwise independent of b (see row_logsumexp);
-    ``sum_exp_dev`` only when ``with_entropy``."""
+    ``sum_exp_dev`` only when ``with_entropy``. On CPU, rows are processed in chunks of about
+    ``_CPU_CHUNK_ELEMS`` elements: the temporaries stay in cache (same values per row)."""
+    num_rows, vocab_size = x.shape
+    step = max(_CPU_CHUNK_ELEMS // vocab_size, 1)
+    if x.device.type != "cpu" or num_rows <= step:
+        return _softmax_stats(x, with_entropy)
+    parts = [_softmax_stats(x[i : i + step], with_entropy) for i in range(0, num_rows, step)]
+    return SoftmaxStats(
+        torch.cat([p.row_max for p in parts]),
+        torch.cat([p.sum_exp for p in parts]),
+        torch.cat([p.sum_exp_dev for p in parts]) if with_entropy else None,
+    )
+
+
+def _softmax_stats(x: torch.Tensor, with_entropy: bool) -> SoftmaxStats:
     row_max = x.amax(dim=-1, keepdim=True)
     dev = x - row_max
     if with_entropy:

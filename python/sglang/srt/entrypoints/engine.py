@@ -222,6 +222,8 @@ class Engine:
         rid: str | list[str] | None = None,
         return_entropy: bool | list[bool] = False,
         return_text_in_logprobs: bool = False,
+        entropy_mode: str | list[str | None] | None = None,
+        entropy_top_k: int | list[int | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (-> dict) or a batch (-> list); ``stream`` -> iterator.
 
@@ -254,6 +256,8 @@ class Engine:
         rid: str | list[str] | None = None,
         return_entropy: bool | list[bool] = False,
         return_text_in_logprobs: bool = False,
+        entropy_mode: str | list[str | None] | None = None,
+        entropy_top_k: int | list[int | None] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """Like :meth:`generate`, awaited in the caller's loop; ``stream`` -> async iterator."""
         obj = _make_request(locals())
@@ -506,4 +510,6 @@ def _make_request(args: dict[str, Any]) -> GenerateReqInput:
         return_text_in_logprobs=args["return_text_in_logprobs"],
         stream=args["stream"],
         return_entropy=args["return_entropy"],
+        entropy_mode=args["entropy_mode"],
+        entropy_top_k=args["entropy_top_k"],
     )

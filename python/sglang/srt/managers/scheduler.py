@@ -305,6 +305,8 @@ class Scheduler:
             top_logprobs_num=recv.top_logprobs_num,
             stream=recv.stream,
             return_entropy=recv.return_entropy,
+            entropy_mode=recv.entropy_mode,
+            entropy_top_k=recv.entropy_top_k,
             stop_str_max_len=max((len(s.encode()) for s in sp.stop_strs), default=0),
         )
         if not recv.input_ids:

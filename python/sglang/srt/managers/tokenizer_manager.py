@@ -48,9 +48,8 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightVersionReqInput,
     UpdateWeightVersionReqOutput,
 )
+from sglang.srt.managers.request_validation import RequestLimits, validate_request
 from sglang.srt.managers.tokenizer_req_state import ReqState
-from sglang.srt.sampling.sampling_batch_info import ENTROPY_MODES
-from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils import TypeBasedDispatcher, dumps, get_zmq_socket, loads
 
@@ -90,6 +89,12 @@ class TokenizerManager:
         self.context_len: int = scheduler_info["context_length"]
         self.vocab_size: int = scheduler_info["vocab_size"]
         self.max_req_input_len: int = scheduler_info["max_req_input_len"]
+        self.limits = RequestLimits(
+            vocab_size=self.vocab_size,
+            context_len=self.context_len,
+            max_req_input_len=self.max_req_input_len,
+            entropy_with_logprobs=server_args.enable_entropy_with_logprobs,
+        )
         self.tokenizer = (
             None
             if server_args.skip_tokenizer_init
@@ -214,7 +219,7 @@ class TokenizerManager:
         reqs: list[TokenizedGenerateReqInput] = []
         parents: list[str | None] = []
         for single, input_ids in zip(singles, all_ids):
-            req = self._validate_one(single, list(input_ids))
+            req = validate_request(single, list(input_ids), self.limits)
             n = req.sampling_params.n
             if n == 1:
                 reqs.append(req)
@@ -233,64 +238,6 @@ class TokenizerManager:
         if active:
             raise ValueError(f"Duplicate request id {active[0]!r}: a request with it is running")
         return reqs, parents
-
-    def _validate_one(
-        self, obj: GenerateReqInput, input_ids: list[int]
-    ) -> TokenizedGenerateReqInput:
-        """One tokenized request; raises ValueError naming the first problem."""
-        prompt_len = len(input_ids)
-        if prompt_len == 0:
-            raise ValueError("The input prompt is empty (0 tokens)")
-        for token_id in input_ids:
-            if isinstance(token_id, bool) or not isinstance(token_id, int):
-                raise ValueError(f"input_ids must be integers, got {token_id!r}")
-            if not 0 <= token_id < self.vocab_size:
-                raise ValueError(
-                    f"Token id {token_id} in input_ids is out of range [0, {self.vocab_size})"
-                )
-        if prompt_len >= self.context_len:
-            raise ValueError(
-                f"The input ({prompt_len} tokens) is longer than the model's context length "
-                f"({self.context_len} tokens)"
-            )
-        if prompt_len > self.max_req_input_len:
-            raise ValueError(
-                f"The input ({prompt_len} tokens) is longer than the maximum request input "
-                f"length ({self.max_req_input_len} tokens)"
-            )
-        raw_params = dict(obj.sampling_params or {})
-        # None means "default" for every knob (OpenAI clients send explicit nulls), except that
-        # max_new_tokens=None means: up to the context length.
-        params = {k: v for k, v in raw_params.items() if v is not None}
-        if "max_new_tokens" in raw_params and raw_params["max_new_tokens"] is None:
-            params["max_new_tokens"] = self.context_len - prompt_len
-        sampling_params = SamplingParams.from_dict(params)
-        sampling_params.verify(self.vocab_size)
-        sampling_params.normalize()
-        # Like upstream, a budget past the context is clamped rather than refused.
-        room = self.context_len - prompt_len
-        if sampling_params.max_new_tokens > room:
-            sampling_params.max_new_tokens = room
-            sampling_params.min_new_tokens = min(sampling_params.min_new_tokens, room)
-        if obj.return_logprob:
-            _check_logprob_args(
-                obj.logprob_start_len, obj.top_logprobs_num, prompt_len, self.vocab_size
-            )
-        _check_entropy_args(obj.entropy_mode, obj.entropy_top_k)
-        return TokenizedGenerateReqInput(
-            rid=obj.rid,
-            input_text=obj.text,
-            input_ids=input_ids,
-            sampling_params=sampling_params,
-            return_logprob=bool(obj.return_logprob),
-            logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
-            top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
-            stream=obj.stream,
-            return_entropy=bool(obj.return_entropy)
-            or (self.server_args.enable_entropy_with_logprobs and bool(obj.return_logprob)),
-            entropy_mode=obj.entropy_mode,
-            entropy_top_k=obj.entropy_top_k,
-        )
 
     async def _wait_states(
         self, states: list[ReqState], stream: bool, is_list: bool, request: Any
@@ -556,25 +503,3 @@ class TokenizerManager:
             return None
         tokenizer = self.tokenizer
         return lambda ids: tokenizer.batch_decode([[i] for i in ids])
-
-
-def _check_entropy_args(mode: Any, top_k: Any) -> None:
-    """A request's entropy override: a mode name and a K >= 0 (None: the server's)."""
-    if mode is not None and mode not in ENTROPY_MODES:
-        raise ValueError(f"entropy_mode must be one of {list(ENTROPY_MODES)}, got {mode!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
-        raise ValueError(f"entropy_top_k must be an integer >= 0, got {top_k!r}")
-
-
-def _check_logprob_args(
-    logprob_start_len: int, top_logprobs_num: int, prompt_len: int, vocab_size: int
-) -> None:
-    if not isinstance(logprob_start_len, int) or logprob_start_len < -1:
-        raise ValueError(f"logprob_start_len must be -1 or >= 0, got {logprob_start_len!r}")
-    if logprob_start_len >= prompt_len:
-        raise ValueError(
-            f"logprob_start_len ({logprob_start_len}) must be smaller than the number of input "
-            f"tokens ({prompt_len})"
-        )
-    if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= vocab_size:
-        raise ValueError(f"top_logprobs_num must be in [0, {vocab_size}], got {top_logprobs_num!r}")

@@ -75,28 +75,8 @@ class DeterministicAttnBackend(AttentionBackend):
             row += new_len
         forward_batch.attn_metadata = groups
 
-    def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-    ) -> torch.Tensor:
-        return self._forward(q, k, v, layer, forward_batch)
-
     def forward_extend(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
-    ) -> torch.Tensor:
-        return self._forward(q, k, v, layer, forward_batch)
-
-    @staticmethod
-    def _forward(
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -128,6 +108,9 @@ class DeterministicAttnBackend(AttentionBackend):
             )
             out.index_copy_(0, group.rows, group_out.reshape(n, -1))
         return out
+
+    # Decode and prefill go through the very same computation: that is the point.
+    forward_decode = forward_extend
 
 
 def _bucket(position: int) -> int:

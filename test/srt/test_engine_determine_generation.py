@@ -1,0 +1,127 @@
+"""Determinism across interruptions (deterministic mode): a run paused with retract or in_place
+equals the uninterrupted run; after an abort, the partial output is a prefix of it and
+resubmitting prompt + partial output with the remaining budget reproduces the rest."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import sglang as sgl
+
+MAX_NEW = 300
+PROMPTS = [[11, 12, 13, 14], [21, 22, 23], [31, 32, 33, 34, 35], [41, 42]]
+PARAMS = {
+    "greedy": {"temperature": 0},
+    "seeded": {"temperature": 1.0, "sampling_seed": 2024},
+}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    with sgl.Engine(
+        model_path=str(tiny_model_dir("llama")), enable_deterministic_inference=True, random_seed=0
+    ) as eng:
+        yield eng
+
+
+def _params(name: str, max_new: int = MAX_NEW) -> dict:
+    return {**PARAMS[name], "max_new_tokens": max_new, "ignore_eos": True}
+
+
+def _state(engine: sgl.Engine) -> dict:
+    return engine.get_server_info()["internal_states"][0]
+
+
+def _wait_decoding(engine: sgl.Engine, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        state = _state(engine)
+        if state["running_batch_size"] == n and state["forward_ct_decode"] > 5:
+            return
+        assert time.monotonic() < deadline, "requests never started decoding"
+        time.sleep(0.005)
+
+
+def _baseline(engine: sgl.Engine, prompts: list[list[int]], name: str) -> list[dict]:
+    return engine.generate(input_ids=prompts, sampling_params=_params(name), return_logprob=True)
+
+
+def _interrupted(engine: sgl.Engine, prompts: list[list[int]], name: str, mode: str) -> list:
+    engine.flush_cache()
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(
+            engine.generate, input_ids=prompts, sampling_params=_params(name), return_logprob=True
+        )
+        _wait_decoding(engine, len(prompts))
+        engine.pause_generation(mode=mode)
+        time.sleep(0.05)
+        engine.continue_generation()
+        return fut.result(timeout=120)
+
+
+def _ids_and_logprobs(out: dict) -> tuple[list[int], list[float]]:
+    return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+@pytest.mark.parametrize("name", list(PARAMS))
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+@pytest.mark.parametrize("num", [1, 4])
+def test_pause_continue_equals_uninterrupted(engine, name: str, mode: str, num: int) -> None:
+    prompts = PROMPTS[:num]
+    expected = _baseline(engine, prompts, name)
+    outs = _interrupted(engine, prompts, name, mode)
+    for out, exp in zip(outs, expected):
+        assert _ids_and_logprobs(out) == _ids_and_logprobs(exp)
+        assert out["meta_info"]["total_retractions"] == (1 if mode == "retract" else 0)
+
+
+@pytest.mark.parametrize("name", list(PARAMS))
+@pytest.mark.parametrize("num", [1, 4])
+def test_abort_then_resubmit_reproduces_the_rest(engine, name: str, num: int) -> None:
+    prompts = PROMPTS[:num]
+    expected = _baseline(engine, prompts, name)
+    partial = _interrupted(engine, prompts, name, "abort")
+    for prompt, part, exp in zip(prompts, partial, expected):
+        assert part["meta_info"]["finish_reason"]["type"] == "abort"
+        got_ids, got_lps = _ids_and_logprobs(part)
+        exp_ids, exp_lps = _ids_and_logprobs(exp)
+        k = len(got_ids)
+        assert 0 < k < MAX_NEW
+        assert (got_ids, got_lps) == (exp_ids[:k], exp_lps[:k])
+        rest = engine.generate(
+            input_ids=prompt + got_ids,
+            sampling_params=_params(name, MAX_NEW - k),
+            return_logprob=True,
+        )
+        assert _ids_and_logprobs(rest) == (exp_ids[k:], exp_lps[k:])
+
+
+def test_stream_through_retract_concatenates_to_the_baseline(engine) -> None:
+    prompt = PROMPTS[0]
+    expected = _baseline(engine, [prompt], "seeded")[0]
+    chunks: list[dict] = []
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(
+            lambda: chunks.extend(
+                engine.generate(
+                    input_ids=prompt,
+                    sampling_params=_params("seeded"),
+                    stream=True,
+                    return_logprob=True,
+                )
+            )
+        )
+        _wait_decoding(engine, 1)
+        engine.pause_generation(mode="retract")
+        engine.continue_generation()
+        fut.result(timeout=120)
+    for prev, cur in zip(chunks, chunks[1:]):  # cumulative: each chunk extends the previous
+        assert cur["output_ids"][: len(prev["output_ids"])] == prev["output_ids"]
+    final = chunks[-1]
+    assert final["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW}
+    assert _ids_and_logprobs(final) == _ids_and_logprobs(expected)
+    assert final["meta_info"]["completion_tokens"] == MAX_NEW
+    assert final["meta_info"]["total_retractions"] == 1

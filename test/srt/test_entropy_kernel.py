@@ -314,8 +314,8 @@ def test_server_args_sampling_backend_and_entropy_flags(monkeypatch):
 
 def test_request_overrides_are_validated_and_split_per_prompt():
     from sglang.srt.managers.io_struct import GenerateReqInput
-    from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.managers.request_validation import _check_entropy_args
+    from sglang.srt.managers.schedule_batch import Req
 
     _check_entropy_args(None, None)
     _check_entropy_args("sampled", 0)

@@ -141,6 +141,8 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq.to(torch.float32)[None, :]
         # [max_position, rotary_dim]: cos in the first half of each row, sin in the second.
         self._cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_scaling
+        self._last_positions: torch.Tensor | None = None
+        self._last_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _cache_on(self, device: torch.device) -> torch.Tensor:
         if self._cos_sin.device != device:
@@ -158,6 +160,15 @@ class RotaryEmbedding(nn.Module):
             parts.append(x[..., self.rotary_dim :])
         return torch.cat(parts, dim=-1).view(num_tokens, -1)
 
+    def _cos_sin_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, rotary_dim/2]`` at ``positions``, computed once per forward:
+        every layer passes the same ``positions`` tensor, so the last result is reused."""
+        if positions is not self._last_positions:
+            cos_sin = self._cache_on(positions.device).index_select(0, positions)
+            self._last_positions = positions
+            self._last_cos_sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
+        return self._last_cos_sin
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,9 +177,14 @@ class RotaryEmbedding(nn.Module):
         Returns new tensors of the same shapes and dtypes (math in float32); inputs are not
         modified. Precondition: every position is in ``[0, max_position)``.
         """
-        cos_sin = self._cache_on(positions.device).index_select(0, positions)
-        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim/2] each
+        cos, sin = self._cos_sin_at(positions)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[T, n*D]`` (any number of heads, e.g. q and k side by side) in one
+        pass; returns a new tensor. Same precondition as :meth:`forward`."""
+        cos, sin = self._cos_sin_at(positions)
+        return self._rotate(x, cos, sin)
 
     def extra_repr(self) -> str:
         return (

@@ -76,11 +76,15 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qk_size = self.q_size + self.kv_size
+        qk, v = qkv[:, :qk_size], qkv[:, qk_size:]
         if self.qk_norm:
+            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
             q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).view(-1, self.q_size)
             k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).view(-1, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
+            qk = torch.cat([q, k], dim=-1)
+        # q and k side by side are rotated in one pass (fewer small ops per layer).
+        q, k = self.rotary_emb.rotate(positions, qk).split([self.q_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, v, forward_batch))
 
 

@@ -47,6 +47,9 @@ class DecodeGroup:
     slot_ids: torch.Tensor  # [b * max_len] int64: KV slots row-major, padding -> dummy slot 0
     mask: torch.Tensor | None  # [b, 1, 1, max_len] bool, True = real key; None if no padding
     max_len: int  # longest sequence of the group
+    # First slot when the group is one request whose slots are consecutive (the usual batch-1
+    # decode): its K/V are then read as a view of the pool instead of gathered (a copy).
+    contiguous_start: int | None = None
 
 
 @dataclass
@@ -75,6 +78,14 @@ def group_by_length(seq_lens: list[int]) -> list[list[int]]:
             group_max = length
         groups[-1].append(row)
     return groups
+
+
+def _contiguous_start(slots: torch.Tensor) -> int | None:
+    """The first slot if the single row of ``slots`` [1, n] is a run of consecutive slots."""
+    first, last = int(slots[0, 0]), int(slots[0, -1])
+    if last - first != slots.shape[1] - 1 or not bool((slots[0, 1:] - slots[0, :-1] == 1).all()):
+        return None
+    return first
 
 
 @dataclass
@@ -123,7 +134,8 @@ class TorchNativeAttnBackend(AttentionBackend):
                 mask = torch.arange(max_len, device=table.device)[None, :] < seq_lens[:, None]
                 slots = slots.masked_fill(~mask, 0)
                 mask = mask[:, None, None, :]
-            groups.append(DecodeGroup(rows_t, slots.reshape(-1), mask, max_len))
+            start = _contiguous_start(slots) if slots.shape[0] == 1 else None
+            groups.append(DecodeGroup(rows_t, slots.reshape(-1), mask, max_len, start))
         return DecodeMetadata(groups)
 
     @staticmethod
@@ -187,8 +199,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         num_kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
         k_cache, v_cache = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         kv_shape = (batch_size, group.max_len, num_kv_heads, head_dim)
-        keys = k_cache.index_select(0, group.slot_ids).view(kv_shape).transpose(1, 2)
-        values = v_cache.index_select(0, group.slot_ids).view(kv_shape).transpose(1, 2)
+        if group.contiguous_start is not None:
+            window = slice(group.contiguous_start, group.contiguous_start + group.max_len)
+            keys = k_cache[window].view(kv_shape).transpose(1, 2)
+            values = v_cache[window].view(kv_shape).transpose(1, 2)
+        else:
+            keys = k_cache.index_select(0, group.slot_ids).view(kv_shape).transpose(1, 2)
+            values = v_cache.index_select(0, group.slot_ids).view(kv_shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q.reshape(batch_size, num_kv_heads, -1, head_dim),
             keys.to(q.dtype),

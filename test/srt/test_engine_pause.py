@@ -201,7 +201,7 @@ def test_flush_after_generation_resets_state(engine) -> None:
 def test_pause_idempotent_and_bad_mode(engine) -> None:
     assert engine.continue_generation()["was_paused"] is False
     engine.pause_generation(mode="in_place")
-    engine.pause_generation(mode="in_place")
+    assert engine.pause_generation(mode="in-place")["mode"] == "in_place"  # the peer's spelling
     with pytest.raises(ValueError, match="Unknown pause mode"):
         engine.pause_generation(mode="sideways")
     assert _state(engine)["pause_mode"] == "in_place"  # unchanged by the bad call

@@ -15,6 +15,10 @@ class PauseModeError(ValueError):
     pass
 
 
+# Spellings seen in the wild (the JAX port's docs write "in-place").
+_ALIASES = {"in-place": "in_place", "inplace": "in_place"}
+
+
 def resolve_pause_mode(mode: str, clear_cache: bool) -> tuple[str, bool]:
     """Map SGLang's and vLLM's vocabularies to (abort | retract | in_place | wait, flush).
 
@@ -23,13 +27,14 @@ def resolve_pause_mode(mode: str, clear_cache: bool) -> tuple[str, bool]:
     ========== ============ =====================
     abort      any          abort (+ flush)
     retract    any          retract (+ flush)
-    in_place   False        in_place
+    in_place   False        in_place (also spelled in-place)
     in_place   True         refused: KV is kept
     keep       False        in_place
     keep       True         retract + flush
     wait       any          wait (+ flush when drained)
     ========== ============ =====================
     """
+    mode = _ALIASES.get(mode, mode)
     if mode not in PAUSE_MODES:
         raise PauseModeError(
             f"Unknown pause mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}"

@@ -81,9 +81,12 @@ def test_greedy_parity_with_transformers(tiny_model_dir, arch: str, config: str)
     prompts = _prompts()
     expected = hf_greedy(model_dir, prompts, NUM_NEW)
     with sgl.Engine(model_path=str(model_dir), random_seed=0, **CONFIGS[config]) as engine:
+        # a lone request on a fresh pool has consecutive KV slots (the zero-copy decode path)
+        alone = _generate(engine, [prompts[-1]])[0]
         first = _generate(engine, prompts)
         again = _generate(engine, prompts)  # the second pass hits the prefix cache
         state = engine.get_server_info()["internal_states"][0]
+    assert alone["output_ids"] == expected[-1]["ids"]
     for out, exp in zip(first, expected):
         assert out["output_ids"] == exp["ids"]
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": NUM_NEW}

@@ -37,7 +37,6 @@ class Req:
         top_logprobs_num: int = 0,
         stream: bool = False,
         return_entropy: bool = False,
-        stop_str_max_len: int = 0,
         entropy_mode: str | None = None,
         entropy_top_k: int | None = None,
     ) -> None:
@@ -54,7 +53,12 @@ class Req:
         # The request's entropy definition; None takes the server's --entropy-mode/-top-k.
         self.entropy_mode = entropy_mode
         self.entropy_top_k = entropy_top_k
-        self.stop_str_max_len = stop_str_max_len  # in tokens, an upper bound
+        # Longest stop string: in bytes (an upper bound on its tokens, for the tail decoded by
+        # check_finished) and in characters (what the detokenizer holds back while streaming).
+        self.stop_str_max_tokens = max(
+            (len(s.encode()) for s in sampling_params.stop_strs), default=0
+        )
+        self.stop_str_max_chars = max((len(s) for s in sampling_params.stop_strs), default=0)
         self.arrival_time = time.monotonic()
 
         self.output_ids: list[int] = []
@@ -148,7 +152,7 @@ class Req:
             self.finished_reason = {"type": "stop", "matched": last}
             return
         if sp.stop_strs and tokenizer is not None:
-            tail = tokenizer.decode(self.output_ids[-(self.stop_str_max_len + 2) :])
+            tail = tokenizer.decode(self.output_ids[-(self.stop_str_max_tokens + 2) :])
             for stop in sp.stop_strs:
                 if stop in tail:
                     self.finished_reason = {"type": "stop", "matched": stop}

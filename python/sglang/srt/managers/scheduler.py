@@ -307,7 +307,6 @@ class Scheduler:
             return_entropy=recv.return_entropy,
             entropy_mode=recv.entropy_mode,
             entropy_top_k=recv.entropy_top_k,
-            stop_str_max_len=max((len(s.encode()) for s in sp.stop_strs), default=0),
         )
         if not recv.input_ids:
             req.abort("The prompt is empty")

@@ -135,9 +135,7 @@ class OutputProcessor:
                 r.sampling_params.spaces_between_special_tokens for r in reqs
             ],
             no_stop_trim=[r.sampling_params.no_stop_trim for r in reqs],
-            stop_str_max_len=[
-                max((len(s) for s in r.sampling_params.stop_strs), default=0) for r in reqs
-            ],
+            stop_str_max_len=[r.stop_str_max_chars for r in reqs],
             prompt_tokens=[r.prompt_len for r in reqs],
             completion_tokens=[len(r.output_ids) for r in reqs],
             cached_tokens=[r.cached_tokens for r in reqs],

@@ -336,7 +336,8 @@ def test_model_registry() -> None:
 
 def test_attention_backend_registry() -> None:
     assert get_attention_backend_class("torch_native").__name__ == "TorchNativeAttnBackend"
+    assert get_attention_backend_class("triton").__name__ == "TritonAttnBackend"
     with pytest.raises(ValueError, match="not available on this build"):
-        get_attention_backend_class("triton")
+        get_attention_backend_class("flashinfer")
     with pytest.raises(ValueError, match="torch_native"):
         get_attention_backend_class("nonexistent")

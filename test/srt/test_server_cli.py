@@ -96,7 +96,7 @@ def test_argparse_errors_exit_2(argv: list[str], needle: str,
 
 @pytest.mark.parametrize("argv, needle", [
     (["--tp-size", "2"], "--tp-size"),
-    (["--attention-backend", "triton"], "--attention-backend triton is not available"),
+    (["--attention-backend", "flashinfer"], "--attention-backend flashinfer is not available"),
     (["--page-size", "0"], "--page-size"),
 ])
 def test_values_we_cannot_honour_exit_2(argv: list[str], needle: str,

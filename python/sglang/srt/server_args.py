@@ -128,7 +128,10 @@ class ServerArgs:
     # Backends
     attention_backend: str | None = _arg(
         None,
-        "Attention kernel: torch_native (CPU and CUDA). triton/flashinfer are not built yet.",
+        "Attention kernel: torch_native (SDPA; the default, except deterministic mode on CUDA) "
+        "or triton (per-query paged Triton kernel, batch-invariant; the default for "
+        "--enable-deterministic-inference on CUDA; on CPU only with TRITON_INTERPRET=1). "
+        "flashinfer is not built yet.",
         choices=_ATTENTION_BACKENDS,
     )
     sampling_backend: str | None = _arg(
@@ -180,7 +183,9 @@ class ServerArgs:
         if self.random_seed is None:
             self.random_seed = random.randint(0, 2**30)
         if self.attention_backend is None:
-            self.attention_backend = "torch_native"
+            # CUDA's SDPA is not batch-invariant; the per-query Triton kernel is.
+            deterministic_cuda = self.enable_deterministic_inference and self.device == "cuda"
+            self.attention_backend = "triton" if deterministic_cuda else "torch_native"
         if self.sampling_backend is None:
             self.sampling_backend = "triton" if self.device == "cuda" else "pytorch"
         if self.chunked_prefill_size is None:
@@ -191,25 +196,26 @@ class ServerArgs:
         """Reject values that we accept on the command line but cannot honour."""
         if self.tp_size != 1:
             raise ValueError("--tp-size > 1 is not supported yet; run with --tp-size 1")
-        if self.attention_backend != "torch_native":
+        if self.attention_backend not in ("torch_native", "triton"):
             raise ValueError(
                 f"--attention-backend {self.attention_backend} is not available; "
-                "supported: torch_native"
+                "supported: torch_native, triton"
             )
         if self.sampling_backend not in _SAMPLING_BACKENDS:
             raise ValueError(
                 f"--sampling-backend must be one of {_SAMPLING_BACKENDS}, "
                 f"got {self.sampling_backend!r}"
             )
-        if (
-            self.sampling_backend == "triton"
-            and self.device == "cpu"
-            and not environ.triton_interpret_enabled()
+        triton_on_cpu = self.device == "cpu" and not environ.triton_interpret_enabled()
+        for flag, value, other in (
+            ("--attention-backend", self.attention_backend, "torch_native"),
+            ("--sampling-backend", self.sampling_backend, "pytorch"),
         ):
-            raise ValueError(
-                "--sampling-backend triton needs CUDA (on CPU only with TRITON_INTERPRET=1); "
-                "use --sampling-backend pytorch"
-            )
+            if value == "triton" and triton_on_cpu:
+                raise ValueError(
+                    f"{flag} triton needs CUDA (on CPU only with TRITON_INTERPRET=1); "
+                    f"use {flag} {other}"
+                )
         if self.entropy_mode not in _ENTROPY_MODES:
             raise ValueError(
                 f"--entropy-mode must be one of {_ENTROPY_MODES}, got {self.entropy_mode!r}"

@@ -52,6 +52,9 @@ _U_SCALE = tl.constexpr(UNIFORM_SCALE)
 _RAW = tl.constexpr(1)
 _SAMPLED = tl.constexpr(3)
 _NUM_PIVOTS = 16  # pivots per search pass (a power of two: tl.arange)
+# Warps per row program. Fixed: the shape of tl.sum's reduction tree, and so the bits of log Z,
+# depend on it, and row_logsumexp_triton must reproduce the sampler's log Z exactly.
+_NUM_WARPS = 8
 
 
 @triton.jit
@@ -346,6 +349,48 @@ def _add_boundary_copies(s_f, a_f, uses_ent_k, ent_mode, ent_k, num_above, t_e, 
     return s_f + e_t, a_f + e_t * dev_t
 
 
+def _tile_sizes(device: torch.device, vocab_size: int) -> tuple[int, int]:
+    """(BLOCK, SEARCH_BLOCK): constants of the device and the vocabulary, never of the batch.
+
+    The interpreter runs each tile op as one numpy call: large tiles (but no larger than the
+    row) keep it fast. On GPUs, search tiles are [SEARCH_BLOCK, 16]: small, for registers.
+    """
+    if device.type == "cpu":
+        block = min(8192, triton.next_power_of_2(vocab_size))
+        return block, block
+    return 2048, 256
+
+
+@triton.jit
+def _log_z_kernel(logits_ptr, row_stride, out_ptr, vocab_size, BLOCK: tl.constexpr):
+    """log Z of one row per program, through the sampler's own online pass (same tiles)."""
+    row = tl.program_id(0).to(tl.int64)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], dtype=tl.float32)
+    for start in range(0, vocab_size, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        logit = tl.load(logits_ptr + row * row_stride + cols, mask=cols < vocab_size,
+                        other=float("-inf")).to(tl.float32)  # fmt: skip
+        m, s, _ = _merge_stats(m, s, s, logit, False)
+    tl.store(out_ptr + row, m + tl.log(s))
+
+
+def row_logsumexp_triton(logits: torch.Tensor) -> torch.Tensor:
+    """``logsumexp(logits, -1)`` [B] float32, bit for bit the log Z from which the fused sampling
+    kernel derives a temperature-1 row's chosen logprob: prompt logprobs computed with it equal
+    the decode logprobs of the same tokens (prefill/decode consistency)."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    num_rows, vocab_size = logits.shape
+    out = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    if num_rows:
+        block, _ = _tile_sizes(logits.device, vocab_size)
+        _log_z_kernel[(num_rows,)](
+            logits, logits.stride(0), out, vocab_size, BLOCK=block, num_warps=_NUM_WARPS
+        )
+    return out
+
+
 def sample_triton(
     logits: torch.Tensor,
     info: SamplingRows,
@@ -369,11 +414,7 @@ def sample_triton(
     entropies = None if entropy is None else torch.empty_like(logprobs)
     groups = () if entropy is None else entropy.groups
     has_trunc = info.need_top_k or info.need_top_p or info.need_min_p
-    # The interpreter runs each tile op as one numpy call: large tiles (but no larger than the
-    # row) keep it fast. On GPUs, search tiles are [SEARCH_BLOCK, 16]: small, for registers.
-    interpreted = device.type == "cpu"
-    block = min(8192, triton.next_power_of_2(vocab_size)) if interpreted else 2048
-    search_block = block if interpreted else 256
+    block, search_block = _tile_sizes(device, vocab_size)
     _fused_sample_kernel[(num_rows,)](
         logits, logits.stride(0), info.temperatures, info.top_ks, info.top_ps, info.min_ps,
         info.seeds, info.positions, info.is_greedy,
@@ -389,7 +430,7 @@ def sample_triton(
         and not info.unit_temperature,
         HAS_SUBSET=any(g.top_k > 0 or (g.mode == "sampled" and has_trunc) for g in groups),
         HAS_ENT_TOP_K=any(g.top_k > 0 for g in groups),
-        num_warps=8,
+        num_warps=_NUM_WARPS,
     )  # fmt: skip
     if not return_logprob:
         return SampleOutput(next_ids, None, None, None, entropies)

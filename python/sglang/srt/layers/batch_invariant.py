@@ -9,6 +9,10 @@ reduction order depends on nothing but the row itself.
 Measured on 2 cores (SmolLM2 shapes, float32, 30 layers): a decode step of 64 rows costs about
 the same as plain ``F.linear``; a 400-token prefill about 1.9x; a single row about 6x (it is
 padded to a full block). Only this mode pays it.
+
+With the Triton attention backend (the deterministic default on CUDA) the Triton kernels of
+:mod:`sgl_kernel.batch_invariant` take over: a fixed-tile matmul without split-K and a
+one-row-per-program RMSNorm (CUDA's own reductions pick their strategy from the shape).
 """
 
 from __future__ import annotations
@@ -39,14 +43,26 @@ def batch_invariant_linear(
     return out.reshape(*lead, weight.shape[0])
 
 
-def enable_batch_invariant_mode(model: nn.Module) -> int:
-    """Switch every module with a ``linear_fn`` hook to the batch-invariant product.
+def enable_batch_invariant_mode(model: nn.Module, kernels: str = "torch") -> int:
+    """Switch every module with a ``linear_fn`` hook to a batch-invariant product, and with
+    ``kernels="triton"`` every ``norm_fn`` hook to the Triton RMSNorm as well.
 
-    Returns how many modules were switched (the caller checks it is not zero).
+    ``kernels`` is ``"torch"`` (fixed row blocks through torch.mm: CPU) or ``"triton"``
+    (CUDA, or CPU under TRITON_INTERPRET=1). Returns how many linear modules were switched
+    (the caller checks it is not zero).
     """
+    if kernels not in ("torch", "triton"):
+        raise ValueError(f"kernels must be 'torch' or 'triton', got {kernels!r}")
+    linear_fn, norm_fn = batch_invariant_linear, None
+    if kernels == "triton":
+        from sgl_kernel.batch_invariant import matmul_batch_invariant, rms_norm_batch_invariant
+
+        linear_fn, norm_fn = matmul_batch_invariant, rms_norm_batch_invariant
     count = 0
     for module in model.modules():
         if hasattr(module, "linear_fn"):
-            module.linear_fn = batch_invariant_linear
+            module.linear_fn = linear_fn
             count += 1
+        if norm_fn is not None and hasattr(module, "norm_fn"):
+            module.norm_fn = norm_fn
     return count

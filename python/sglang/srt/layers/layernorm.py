@@ -8,6 +8,14 @@ from torch import nn
 from sglang.srt.layers.linear import default_weight_loader
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps))`` over the last dim, statistics in float32, the
+    normalised value cast back to x's dtype before the weight multiply."""
+    x_fp32 = x.float()
+    variance = x_fp32.pow(2).mean(-1, keepdim=True)
+    return weight * (x_fp32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension.
 
@@ -22,11 +30,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
+        # (x, weight, eps) -> normalised x; deterministic mode on CUDA swaps in a Triton kernel.
+        self.norm_fn = rms_norm
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x_fp32 = x.float()
-        variance = x_fp32.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x_fp32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        return self.norm_fn(x, self.weight, self.eps)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -37,8 +37,11 @@ class LogitsProcessor(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
-        # The product used for logits; deterministic mode swaps in batch_invariant_linear.
+        # The product used for logits; deterministic mode swaps in a batch-invariant one.
         self.linear_fn = F.linear
+        # log Z of prompt-logprob rows: the model runner sets the sampling backend's own
+        # (get_logsumexp), so that prompt logprobs equal decode logprobs bit for bit.
+        self.logsumexp_fn = row_logsumexp
 
     def _logits(self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         # The matmul runs in the model dtype (as HF does); sampling math is float32 from here on.
@@ -88,8 +91,7 @@ class LogitsProcessor(nn.Module):
         for start in range(0, rows.numel(), chunk):
             chunk_rows = rows[start : start + chunk]
             logits = self._logits(hidden_states.index_select(0, chunk_rows), lm_head_weight)
-            # The sampler's logsumexp: prompt logprobs equal decode logprobs bit for bit.
-            logprobs = logits - row_logsumexp(logits).unsqueeze(1)
+            logprobs = logits - self.logsumexp_fn(logits).unsqueeze(1)
             chunk_targets = targets[start : start + chunk].unsqueeze(1)
             token_logprobs.append(logprobs.gather(1, chunk_targets).squeeze(1))
             if top_k > 0:

@@ -40,6 +40,7 @@ __all__ = [
     "SampleOutput",
     "Sampler",
     "derive_seed",
+    "get_logsumexp",
     "get_sampling_backend",
     "gumbel_noise",
     "hash32",
@@ -52,22 +53,33 @@ SampleFn = Callable[
     SampleOutput,
 ]
 
-# name -> (module, function); imported on first use so that `triton` is only loaded when asked.
-_BACKENDS: dict[str, tuple[str, str]] = {
-    "pytorch": ("sgl_kernel.sampling_reference", "sample_reference"),
-    "triton": ("sgl_kernel.sampling", "sample_triton"),
+# name -> (module, sampling function, its logsumexp); imported on first use so that `triton`
+# is only loaded when asked.
+_BACKENDS: dict[str, tuple[str, str, str]] = {
+    "pytorch": ("sgl_kernel.sampling_reference", "sample_reference", "row_logsumexp"),
+    "triton": ("sgl_kernel.sampling", "sample_triton", "row_logsumexp_triton"),
 }
 SAMPLING_BACKENDS = tuple(_BACKENDS)
 
 
-def get_sampling_backend(name: str) -> SampleFn:
-    """The sampling function registered as ``name``; ValueError listing the names otherwise."""
+def _backend_attr(name: str, index: int) -> Callable:
     if name not in _BACKENDS:
         raise ValueError(
             f"Unknown sampling backend {name!r}; supported: {', '.join(SAMPLING_BACKENDS)}"
         )
-    module, attr = _BACKENDS[name]
-    return getattr(importlib.import_module(module), attr)
+    module = _BACKENDS[name][0]
+    return getattr(importlib.import_module(module), _BACKENDS[name][index])
+
+
+def get_sampling_backend(name: str) -> SampleFn:
+    """The sampling function registered as ``name``; ValueError listing the names otherwise."""
+    return _backend_attr(name, 1)
+
+
+def get_logsumexp(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The row logsumexp ([B, V] -> [B] float32) whose bits backend ``name`` uses for the
+    chosen token's logprob: prompt logprobs computed with it equal decode logprobs exactly."""
+    return _backend_attr(name, 2)
 
 
 def derive_seed(random_seed: int, rid: str) -> int:

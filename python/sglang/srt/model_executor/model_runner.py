@@ -14,6 +14,7 @@ from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.attention import get_attention_backend_class
 from sglang.srt.layers.batch_invariant import enable_batch_invariant_mode
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.layers.sampler import get_logsumexp
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -62,9 +63,16 @@ class ModelRunner:
         backend = server_args.attention_backend
         if server_args.enable_deterministic_inference:
             backend = f"{backend}_deterministic"
-            if not enable_batch_invariant_mode(self.model):
+            # Triton attention comes with the Triton matmul and norm (CUDA); torch_native with
+            # the fixed-block torch product (CPU).
+            kernels = "triton" if server_args.attention_backend == "triton" else "torch"
+            if not enable_batch_invariant_mode(self.model, kernels):
                 raise RuntimeError("deterministic mode: the model has no switchable linear layer")
         self.attn_backend = get_attention_backend_class(backend)()
+        logsumexp = get_logsumexp(server_args.sampling_backend)
+        for module in self.model.modules():
+            if hasattr(module, "logsumexp_fn"):
+                module.logsumexp_fn = logsumexp
         logger.info(
             "KV pool: %d tokens (%.1f MiB), max running requests %d",
             self.max_total_num_tokens,

@@ -11,7 +11,9 @@ _BACKENDS: dict[str, str | None] = {
     "torch_native_deterministic": (
         "sglang.srt.layers.attention.deterministic_backend:DeterministicAttnBackend"
     ),
-    "triton": None,
+    "triton": "sglang.srt.layers.attention.triton_backend:TritonAttnBackend",
+    # Per query and per fixed key block already: the same kernel is batch-invariant.
+    "triton_deterministic": "sglang.srt.layers.attention.triton_backend:TritonAttnBackend",
     "flashinfer": None,
 }
 

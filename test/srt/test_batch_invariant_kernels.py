@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from model_test_utils import BatchBuilder, hf_greedy, load_from_hf
+from test_determinism import assert_prefill_logprobs_equal_decode
 from test_entropy_kernel import make_info
 from test_models import PROMPTS, make_hf_model
 
@@ -201,15 +202,4 @@ def test_engine_triton_path_is_batch_invariant(triton_engine, params: dict) -> N
 def test_engine_triton_path_prefill_logprobs_equal_decode(triton_engine) -> None:
     prompt = [random.Random(1).randrange(3, 450) for _ in range(10)]
     params = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
-    ids, logprobs = _ids_and_logprobs(
-        triton_engine.generate(input_ids=prompt, sampling_params=params, return_logprob=True)
-    )
-    out = triton_engine.generate(
-        input_ids=prompt + ids,
-        sampling_params={"max_new_tokens": 1},
-        return_logprob=True,
-        logprob_start_len=len(prompt),
-    )
-    prefill = out["meta_info"]["input_token_logprobs"]
-    assert [t for _, t, _ in prefill] == ids
-    assert [lp for lp, _, _ in prefill] == logprobs  # bitwise
+    assert_prefill_logprobs_equal_decode(triton_engine, prompt, params)

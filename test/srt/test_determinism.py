@@ -97,11 +97,9 @@ def test_chunked_prefill_sizes(engine, arch_dir, chunk: int) -> None:
         assert _run(other, prompts, params) == expected
 
 
-@pytest.mark.parametrize("name", ["greedy", "seeded"])
-def test_prefill_logprobs_equal_decode_logprobs(engine, name: str) -> None:
-    rng = random.Random(4)
-    prompt = _rand_prompt(rng, 50)
-    ids, logprobs = _run(engine, [prompt], _params(name))[0]
+def assert_prefill_logprobs_equal_decode(engine: sgl.Engine, prompt: list[int], params: dict):
+    """Re-scoring prompt + generated tokens by a prefill gives the decode logprobs, bitwise."""
+    ids, logprobs = _run(engine, [prompt], params)[0]
     out = engine.generate(
         input_ids=prompt + ids,
         sampling_params={"max_new_tokens": 1},
@@ -111,6 +109,11 @@ def test_prefill_logprobs_equal_decode_logprobs(engine, name: str) -> None:
     prefill = out["meta_info"]["input_token_logprobs"]
     assert [t for _, t, _ in prefill] == ids
     assert [lp for lp, _, _ in prefill] == logprobs  # bitwise
+
+
+@pytest.mark.parametrize("name", ["greedy", "seeded"])
+def test_prefill_logprobs_equal_decode_logprobs(engine, name: str) -> None:
+    assert_prefill_logprobs_equal_decode(engine, _rand_prompt(random.Random(4), 50), _params(name))
 
 
 def test_retraction_equals_roomy_run(engine, arch_dir) -> None:

@@ -30,6 +30,19 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Precompute what every layer needs into ``forward_batch.attn_metadata`` (mutates it)."""
 
+    @staticmethod
+    def store_kv(
+        k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new K/V at ``forward_batch.out_cache_loc`` of layer ``layer.layer_id``;
+        returns them as ``[T, KVH, D]`` views."""
+        k = k.view(-1, layer.num_kv_heads, layer.head_dim)
+        v = v.view(-1, layer.num_kv_heads, layer.head_dim)
+        forward_batch.token_to_kv_pool.set_kv_buffer(
+            layer.layer_id, forward_batch.out_cache_loc, k, v
+        )
+        return k, v
+
     def forward(
         self,
         q: torch.Tensor,

@@ -84,14 +84,8 @@ class DeterministicAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
-        pool = forward_batch.token_to_kv_pool
-        pool.set_kv_buffer(
-            layer.layer_id,
-            forward_batch.out_cache_loc,
-            k.view(-1, num_kv_heads, head_dim),
-            v.view(-1, num_kv_heads, head_dim),
-        )
-        k_cache, v_cache = pool.get_kv_buffer(layer.layer_id)
+        self.store_kv(k, v, layer, forward_batch)
+        k_cache, v_cache = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         out = torch.empty_like(q)
         for group in forward_batch.attn_metadata:
             n = group.rows.numel()

@@ -52,18 +52,11 @@ class TritonAttnBackend(AttentionBackend):
         layer: RadixAttention,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
-        num_kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
-        pool = forward_batch.token_to_kv_pool
-        pool.set_kv_buffer(
-            layer.layer_id,
-            forward_batch.out_cache_loc,
-            k.view(-1, num_kv_heads, head_dim),
-            v.view(-1, num_kv_heads, head_dim),
-        )
-        k_cache, v_cache = pool.get_kv_buffer(layer.layer_id)
+        self.store_kv(k, v, layer, forward_batch)
+        k_cache, v_cache = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         meta: PerQueryMetadata = forward_batch.attn_metadata
         out = paged_attention_per_query(
-            q.view(-1, layer.num_heads, head_dim),
+            q.view(-1, layer.num_heads, layer.head_dim),
             k_cache,
             v_cache,
             forward_batch.req_to_token_pool.req_to_token,
@@ -71,7 +64,7 @@ class TritonAttnBackend(AttentionBackend):
             meta.positions,
             layer.scaling,
         )
-        return out.view(-1, layer.num_heads * head_dim)
+        return out.view(-1, layer.num_heads * layer.head_dim)
 
     # A decode step is a prefill of one token per request: the same kernel, the same numbers.
     forward_decode = forward_extend

@@ -188,6 +188,13 @@ def _paged_attention_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
+def attention_tile_shape(group: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_G, BLOCK_D, BLOCK_N) of the attention kernel for ``group`` query heads per KV
+    head: constants of the model, never of the batch."""
+    block_g, block_d = max(2, triton.next_power_of_2(group)), triton.next_power_of_2(head_dim)
+    return block_g, block_d, max(8, min(32, _ATTN_TILE_ELEMENTS // (block_g * block_d)))
+
+
 def paged_attention_per_query(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -213,8 +220,7 @@ def paged_attention_per_query(
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the head dimension of q, k_cache and v_cache must be contiguous")
     group = num_heads // num_kv_heads
-    block_g, block_d = max(2, triton.next_power_of_2(group)), triton.next_power_of_2(head_dim)
-    block_n = max(8, min(32, _ATTN_TILE_ELEMENTS // (block_g * block_d)))
+    block_g, block_d, block_n = attention_tile_shape(group, head_dim)
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out

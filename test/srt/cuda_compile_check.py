@@ -1,0 +1,78 @@
+"""Compile every Triton kernel of sgl_kernel for an NVIDIA target, without a GPU.
+
+The interpreter (TRITON_INTERPRET=1) checks what the kernels compute, but not that they
+compile: layouts, dynamic loop bounds and dtype rules are only checked by the real compiler.
+``triton.compile`` lowers to PTX and runs ptxas (shipped with triton) with no driver, so CPU CI
+can catch a kernel that would fail on its first CUDA launch. Run as a script with
+TRITON_INTERPRET unset (Triton decides at decoration time whether a kernel is interpreted):
+
+    python test/srt/cuda_compile_check.py 90     # compute capability, e.g. 80 or 90
+
+It prints one line per compiled specialization and exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import sgl_kernel.batch_invariant as bi
+import sgl_kernel.sampling as sampling
+
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_SAMPLER_FLAGS = ("HAS_TOP_K", "HAS_TOP_P", "HAS_MIN_P", "HAS_ENTROPY", "HAS_RAW", "HAS_SUBSET",
+                  "HAS_ENT_TOP_K")  # fmt: skip
+
+
+def _compile(target: GPUTarget, kernel, types: dict[str, str], consts: dict, **options) -> None:
+    """Compile ``kernel`` with ``consts``; parameters not in ``types`` are int32 scalars."""
+    names = inspect.signature(kernel.fn).parameters
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    triton.compile(ASTSource(kernel, signature, consts), target=target, options=options)
+    print(f"ok {kernel.fn.__name__} {consts}")
+
+
+def main(capability: int) -> None:
+    target = GPUTarget("cuda", capability, 32)
+    for dtype, config in bi._MATMUL_CONFIG.items():
+        config = dict(config)
+        options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
+        ptr = "*" + _DTYPES[dtype]
+        types = {"a_ptr": ptr, "b_ptr": ptr, "c_ptr": ptr, "bias_ptr": ptr}
+        consts = {"HAS_BIAS": True, "IEEE": dtype == torch.float32, "UPCAST": False,
+                  "GROUP_M": bi._GROUP_M, **config}  # fmt: skip
+        _compile(target, bi._matmul_kernel, types, consts, **options)
+    for dtype in (torch.float32, torch.bfloat16):
+        ptr = "*" + _DTYPES[dtype]
+        types = {"x_ptr": ptr, "w_ptr": ptr, "out_ptr": ptr, "eps": "fp32"}
+        _compile(target, bi._rms_norm_kernel, types, {"BLOCK": 4096})
+        types = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "out_ptr": ptr, "table_ptr": "*i64",
+                 "pool_rows_ptr": "*i64", "positions_ptr": "*i64", "scale": "fp32"}  # fmt: skip
+        for group, head_dim in [(1, 64), (3, 64), (4, 128), (7, 128), (8, 256)]:
+            block_g, block_d, block_n = bi.attention_tile_shape(group, head_dim)
+            consts = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_G": block_g,
+                      "BLOCK_D": block_d, "BLOCK_N": block_n}  # fmt: skip
+            _compile(target, bi._paged_attention_kernel, types, consts, num_warps=4)
+
+    block, search_block = sampling._tile_sizes(torch.device("cuda"), 151936)
+    warps = {"num_warps": sampling._NUM_WARPS}
+    _compile(target, sampling._log_z_kernel, {"logits_ptr": "*fp32", "out_ptr": "*fp32"},
+             {"BLOCK": block}, **warps)  # fmt: skip
+    types = {"logits_ptr": "*bf16", "temperatures_ptr": "*fp32", "top_ks_ptr": "*i64",
+             "top_ps_ptr": "*fp32", "min_ps_ptr": "*fp32", "seeds_ptr": "*i64",
+             "positions_ptr": "*i64", "greedy_ptr": "*i1", "ent_modes_ptr": "*i32",
+             "ent_top_ks_ptr": "*i64", "next_ids_ptr": "*i64", "logprobs_ptr": "*fp32",
+             "entropies_ptr": "*fp32"}  # fmt: skip
+    for on in (False, True):  # every feature compiled out, then every feature compiled in
+        consts = {"BLOCK": block, "SEARCH_BLOCK": search_block, "NUM_PIVOTS": sampling._NUM_PIVOTS}
+        consts.update(dict.fromkeys(_SAMPLER_FLAGS, on))
+        _compile(target, sampling._fused_sample_kernel, types, consts, **warps)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

@@ -166,7 +166,7 @@ def _str_msg(rid: str, text: str, ids: list[int], reason=None, **fields) -> Batc
 def test_req_state_accumulates_logprobs_and_entropy(byte_tok) -> None:
     req = TokenizedGenerateReqInput(
         rid="r", input_text=None, input_ids=[5, 6, 7], sampling_params=SamplingParams(),
-        return_logprob=True, top_logprobs_num=2, return_entropy=True)
+        return_logprob=True, logprob_start_len=1, top_logprobs_num=2, return_entropy=True)
     ids_a, ids_b = byte_tok.encode("a", add_special_tokens=False), byte_tok.encode(
         "b", add_special_tokens=False)
     state = ReqState(req, asyncio.Event(), None, lambda ids: byte_tok.batch_decode(
@@ -247,14 +247,25 @@ def test_validation_errors(tm: TokenizerManager, kwargs: dict, message: str) -> 
 
 
 def test_normalization_clamps_and_expands(tm: TokenizerManager) -> None:
+    # The default budget (128) is clamped to the context; an explicit one that does not fit is
+    # refused, as upstream does.
     obj = GenerateReqInput(text="héllo", rid="p", sampling_params={
-        "max_new_tokens": 1000, "n": 3, "temperature": None, "stop": "END"})
+        "n": 3, "temperature": None, "stop": "END"})
     obj.normalize_batch_and_arguments()
     reqs, parents = tm._tokenize_and_validate(obj)
     assert [r.rid for r in reqs] == ["p_0", "p_1", "p_2"] and parents == ["p"] * 3
     prompt_len = len(reqs[0].input_ids)
     assert reqs[0].input_ids == tm.tokenizer.encode("héllo")
     assert all(r.sampling_params.max_new_tokens == CONTEXT_LEN - prompt_len for r in reqs)
+    too_long = GenerateReqInput(text="héllo", sampling_params={"max_new_tokens": 1000})
+    too_long.normalize_batch_and_arguments()
+    with pytest.raises(ValueError, match="exceeds the model's maximum context length"):
+        tm._tokenize_and_validate(too_long)
+    fits = GenerateReqInput(text="héllo",
+                            sampling_params={"max_new_tokens": CONTEXT_LEN - prompt_len - 1})
+    fits.normalize_batch_and_arguments()
+    assert tm._tokenize_and_validate(fits)[0][0].sampling_params.max_new_tokens == (
+        CONTEXT_LEN - prompt_len - 1)
     assert reqs[0].sampling_params.temperature == 1.0 and reqs[0].sampling_params.n == 1
     assert reqs[0].sampling_params.stop_strs == ["END"]
     unbounded = GenerateReqInput(input_ids=[1, 2], sampling_params={"max_new_tokens": None})

@@ -170,7 +170,8 @@ def _shutdown_from_atexit(ref: weakref.ref) -> None:
 
 
 class Engine:
-    """The in-process engine. ``Engine(**kwargs)`` takes :class:`ServerArgs` fields.
+    """The in-process engine. ``Engine(**kwargs)`` takes :class:`ServerArgs` fields (or, as
+    upstream, ``Engine(server_args=ServerArgs(...))``).
 
     Public methods follow SGLang's ``Engine``. After :meth:`shutdown` (also run at exit and,
     best effort, on garbage collection) no child process is left and every method raises
@@ -179,6 +180,11 @@ class Engine:
     """
 
     def __init__(self, **kwargs: Any) -> None:
+        if "server_args" in kwargs:  # upstream's Engine(server_args=ServerArgs(...))
+            server_args = kwargs.pop("server_args")
+            if kwargs or not isinstance(server_args, ServerArgs):
+                raise TypeError("Engine(server_args=...) takes a ServerArgs and nothing else")
+            kwargs = dataclasses.asdict(server_args)
         known = {f.name for f in dataclasses.fields(ServerArgs)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -224,11 +230,14 @@ class Engine:
         return_text_in_logprobs: bool = False,
         entropy_mode: str | list[str | None] | None = None,
         entropy_top_k: int | list[int | None] | None = None,
+        **upstream_kwargs: Any,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (-> dict) or a batch (-> list); ``stream`` -> iterator.
 
         Stream items carry the cumulative text and ids (a batch's items also an "index").
-        Leaving a stream early aborts its request(s).
+        Leaving a stream early aborts its request(s). Upstream SGLang's other arguments
+        (``image_data``, ``lora_path``, ``token_ids_logprob``, ...) are accepted when unset
+        (None / False) and refused with ValueError when set: this engine lacks those features.
         """
         obj = _make_request(locals())
         if stream:
@@ -258,6 +267,7 @@ class Engine:
         return_text_in_logprobs: bool = False,
         entropy_mode: str | list[str | None] | None = None,
         entropy_top_k: int | list[int | None] | None = None,
+        **upstream_kwargs: Any,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """Like :meth:`generate`, awaited in the caller's loop; ``stream`` -> async iterator."""
         obj = _make_request(locals())
@@ -286,6 +296,16 @@ class Engine:
             "internal_states": internal_states,
             "version": __version__,
         }
+
+    def get_model_info(self) -> dict[str, Any]:
+        """What this engine serves now (as ``GET /get_model_info``): ``model_path`` (the last
+        checkpoint loaded), ``tokenizer_path``, ``is_generation``, ``weight_version``."""
+        tokenizer_path = self.server_args.tokenizer_path
+        return self._run(engine_weights.model_info(self._manager(), tokenizer_path))
+
+    async def async_get_model_info(self) -> dict[str, Any]:
+        tokenizer_path = self.server_args.tokenizer_path
+        return await self._bridge(engine_weights.model_info(self._manager(), tokenizer_path))
 
     def flush_cache(self) -> FlushCacheReqOutput:
         """Flush the prefix cache; ``.success`` False (with ``.error_msg``) when refused."""
@@ -337,9 +357,9 @@ class Engine:
     def update_weights_from_disk(
         self,
         model_path: str,
+        load_format: str | None = None,
         *,
         weight_version: str | None = None,
-        load_format: str | None = None,
         flush_cache: bool = True,
         abort_all_requests: bool = False,
     ) -> tuple[bool, str, int]:
@@ -354,9 +374,9 @@ class Engine:
     async def async_update_weights_from_disk(
         self,
         model_path: str,
+        load_format: str | None = None,
         *,
         weight_version: str | None = None,
-        load_format: str | None = None,
         flush_cache: bool = True,
         abort_all_requests: bool = False,
     ) -> tuple[bool, str, int]:
@@ -497,8 +517,35 @@ async def _continue(tm: TokenizerManager) -> dict[str, Any]:
     }
 
 
+# Arguments of upstream SGLang's Engine.generate for features this engine does not have. RL
+# frameworks pass them unset (verl passes image_data=None); a set one is refused.
+_UPSTREAM_ONLY_ARGS = frozenset({
+    "image_data", "audio_data", "video_data", "token_ids_logprob", "lora_path",
+    "custom_logit_processor", "return_hidden_states", "bootstrap_host", "bootstrap_port",
+    "bootstrap_room", "data_parallel_rank", "external_trace_header", "session_params",
+    "priority", "return_routed_experts", "routed_dp_rank", "disagg_prefill_dp_rank",
+})
+
+
+def _check_upstream_args(kwargs: dict[str, Any]) -> None:
+    """TypeError for an argument upstream does not know either; ValueError for a set one."""
+    unknown = sorted(set(kwargs) - _UPSTREAM_ONLY_ARGS)
+    if unknown:
+        raise TypeError(f"generate() got unexpected keyword argument(s): {', '.join(unknown)}")
+    used = sorted(k for k, v in kwargs.items() if _is_set(v))
+    if used:
+        raise ValueError(f"not supported by this engine: {', '.join(used)}")
+
+
+def _is_set(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_is_set(v) for v in value)
+    return value is not None and value is not False
+
+
 def _make_request(args: dict[str, Any]) -> GenerateReqInput:
     """A GenerateReqInput from ``generate``'s arguments (SGLang's defaults for None)."""
+    _check_upstream_args(args["upstream_kwargs"])
     return GenerateReqInput(
         text=args["prompt"],
         input_ids=args["input_ids"],

@@ -16,6 +16,18 @@ from sglang.srt.managers.io_struct import (
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
 
+async def model_info(tm: Any, tokenizer_path: str | None) -> dict[str, Any]:
+    """The reply of ``GET /get_model_info`` and ``Engine.get_model_info``: the checkpoint served
+    now (a disk update changes it) and the current weight version."""
+    states = await tm.get_internal_state()
+    return {
+        "model_path": tm.model_path,
+        "tokenizer_path": tokenizer_path,
+        "is_generation": True,
+        "weight_version": states[0].get("weight_version") if states else None,
+    }
+
+
 async def update_from_disk(
     tm: TokenizerManager, obj: UpdateWeightFromDiskReqInput
 ) -> tuple[bool, str, int]:

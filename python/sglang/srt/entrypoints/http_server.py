@@ -24,6 +24,7 @@ from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 import sglang
+from sglang.srt.entrypoints import engine_weights
 from sglang.srt.entrypoints.http_guard import GuardMiddleware, add_error_handlers
 from sglang.srt.entrypoints.http_weights import router as weights_router
 from sglang.srt.entrypoints.openai.protocol import (
@@ -62,7 +63,8 @@ router = APIRouter()
 # SGLang /generate fields for features this engine does not have (refused when truthy).
 _UNSUPPORTED_GENERATE_FIELDS = frozenset({
     "image_data", "video_data", "audio_data", "input_embeds", "lora_path", "lora_id",
-    "custom_logit_processor", "return_hidden_states", "session_params",
+    "custom_logit_processor", "return_hidden_states", "session_params", "token_ids_logprob",
+    "return_routed_experts", "bootstrap_host", "bootstrap_room",
 })
 
 
@@ -220,14 +222,8 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
 
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> Response:
-    tm = _tm(request)
-    states = await tm.get_internal_state()
-    return json_response({
-        "model_path": tm.model_path,
-        "tokenizer_path": request.app.state.server_args.tokenizer_path,
-        "is_generation": True,
-        "weight_version": states[0].get("weight_version") if states else None,
-    })
+    tokenizer_path = request.app.state.server_args.tokenizer_path
+    return json_response(await engine_weights.model_info(_tm(request), tokenizer_path))
 
 
 @router.get("/get_server_info")

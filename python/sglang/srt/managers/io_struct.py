@@ -27,6 +27,18 @@ def _new_id() -> str:
 # ---------------------------------------------------------------------------------------------
 # Generation
 # ---------------------------------------------------------------------------------------------
+# Fields of GenerateReqInput given once for a whole batch or as a list, one per prompt.
+_PER_REQUEST_FIELDS = (
+    "sampling_params",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_entropy",
+    "entropy_mode",
+    "entropy_top_k",
+)
+
+
 @dataclass
 class GenerateReqInput:
     """A generate request as users send it: one prompt or a batch of prompts.
@@ -40,7 +52,8 @@ class GenerateReqInput:
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] = False
-    # Prompt position from which input logprobs are returned; -1 returns none.
+    # Prompt position from which input logprobs are returned; -1 (default): only the last
+    # prompt token's entry, with a None logprob (upstream's shape).
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
@@ -74,10 +87,22 @@ class GenerateReqInput:
         if not self.is_single and n == 0:
             raise ValueError("The batch of prompts is empty")
         if self.is_single:
+            # A one-entry list is accepted for a single prompt (as for a batch of one).
+            for name in _PER_REQUEST_FIELDS + ("rid",):
+                value = getattr(self, name)
+                if isinstance(value, list):
+                    if len(value) != 1:
+                        raise ValueError(
+                            f"'{name}' has {len(value)} entries for a single prompt; give one "
+                            "value (or a batch of prompts)"
+                        )
+                    setattr(self, name, value[0])
             if self.rid is None:
                 self.rid = _new_id()
             if self.sampling_params is None:
                 self.sampling_params = {}
+            if not isinstance(self.sampling_params, dict):
+                raise ValueError("'sampling_params' must be a JSON object (a dict)")
             return
         if self.rid is None:
             self.rid = [_new_id() for _ in range(n)]
@@ -85,21 +110,15 @@ class GenerateReqInput:
             raise ValueError("'rid' must be a list with one id per prompt")
         if self.sampling_params is None:
             self.sampling_params = {}
-        for name in (
-            "sampling_params",
-            "return_logprob",
-            "logprob_start_len",
-            "top_logprobs_num",
-            "return_entropy",
-            "entropy_mode",
-            "entropy_top_k",
-        ):
+        for name in _PER_REQUEST_FIELDS:
             value = getattr(self, name)
             if isinstance(value, list):
                 if len(value) != n:
                     raise ValueError(f"'{name}' has {len(value)} entries for {n} prompts")
             else:
                 setattr(self, name, [copy.deepcopy(value) for _ in range(n)])
+        if not all(isinstance(p, dict) for p in self.sampling_params):
+            raise ValueError("each entry of 'sampling_params' must be a JSON object (a dict)")
 
     def __getitem__(self, i: int) -> GenerateReqInput:
         """The i-th request of a normalized batch, as a single request."""

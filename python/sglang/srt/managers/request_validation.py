@@ -24,7 +24,8 @@ def validate_request(
     obj: GenerateReqInput, input_ids: list[int], limits: RequestLimits
 ) -> TokenizedGenerateReqInput:
     """One tokenized request, checked against ``limits``; raises ValueError naming the first
-    problem. ``max_new_tokens`` past the context is clamped (as upstream), not refused."""
+    problem. As upstream, an explicit ``max_new_tokens`` that does not fit the context with the
+    prompt (``prompt + max_new_tokens >= context``) is refused; the default one is clamped."""
     prompt_len = len(input_ids)
     if prompt_len == 0:
         raise ValueError("The input prompt is empty (0 tokens)")
@@ -54,7 +55,18 @@ def validate_request(
     sampling_params = SamplingParams.from_dict(params)
     sampling_params.verify(limits.vocab_size)
     sampling_params.normalize()
-    # Like upstream, a budget past the context is clamped rather than refused.
+    explicit_budget = raw_params.get("max_new_tokens") is not None
+    if explicit_budget and prompt_len + sampling_params.max_new_tokens >= limits.context_len:
+        # As upstream: an explicit budget that does not fit the context is refused.
+        raise ValueError(
+            f"Requested token count exceeds the model's maximum context length of "
+            f"{limits.context_len} tokens. You requested a total of "
+            f"{prompt_len + sampling_params.max_new_tokens} tokens: {prompt_len} tokens from "
+            f"the input messages and {sampling_params.max_new_tokens} tokens for the "
+            "completion. Please reduce the number of tokens in the input messages or the "
+            "completion to fit within the limit."
+        )
+    # The default budget (128) is clamped to what the context leaves, as upstream does.
     room = limits.context_len - prompt_len
     if sampling_params.max_new_tokens > room:
         sampling_params.max_new_tokens = room

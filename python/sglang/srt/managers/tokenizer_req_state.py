@@ -58,6 +58,12 @@ class ReqState:
         self.cached_tokens = 0
         self.retractions = 0
         self.logprobs: dict[str, list] = {key: [] for key in _LOGPROB_KEYS}
+        if req.return_logprob and req.logprob_start_len < 0:
+            # As upstream SGLang: without a logprob_start_len the prompt logprobs are those of
+            # the last prompt token only, whose logprob is not computed (None).
+            last_id = req.input_ids[-1]
+            self.logprobs["input_token_logprobs"] = [[None, last_id, self._texts([last_id])[0]]]
+            self.logprobs["input_top_logprobs"] = [None]
         self.entropy: list[float] = []
         # {"version", "start", "end"} runs over the output tokens, merged as increments arrive.
         self.weight_spans: list[dict[str, Any]] = []
@@ -121,11 +127,11 @@ class ReqState:
         position (a position without entries, such as the first prompt token, stays None)."""
         if not key.endswith("top_logprobs"):
             return list(map(list, zip(vals, idxs, self._texts(idxs))))
-        flat_ids = [t for pos_idxs in idxs if pos_idxs is not None for t in pos_idxs]
+        flat_ids = [t for pos_idxs in idxs if pos_idxs for t in pos_idxs]
         texts = iter(self._texts(flat_ids))
         rows: list = []
         for pos_vals, pos_idxs in zip(vals, idxs):
-            if pos_vals is None:
+            if not pos_vals:  # no entries at this position (the first prompt token): None
                 rows.append(None)
                 continue
             rows.append([[v, t, next(texts)] for v, t in zip(pos_vals, pos_idxs)])

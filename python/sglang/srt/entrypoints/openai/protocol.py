@@ -71,6 +71,16 @@ class SamplingExtras(BaseModel):
     entropy_mode: str | None = None
     entropy_top_k: int | None = None
     rid: str | None = None
+    # SGLang's constrained decoding, which this engine does not have: refused when set.
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's; refused when not empty
+
+    def unsupported_fields(self) -> list[str]:
+        """The fields of this request that ask for features this engine does not have."""
+        names = ("regex", "json_schema", "ebnf", "logit_bias")
+        return [name for name in names if getattr(self, name)]
 
     def extra_sampling_params(self) -> dict[str, Any]:
         """The SGLang-only entries of ``sampling_params`` (names as SamplingParams spells them)."""
@@ -207,6 +217,20 @@ class ChatCompletionRequest(SamplingExtras):
     user: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False
+    # Only {"type": "text"}: structured output (json_object, json_schema) is refused.
+    response_format: dict[str, Any] | None = None
+    # Tools are rendered into the prompt by the chat template; calls come back as plain text
+    # (no tool-call parser). tool_choice "required" or a named function is refused.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        names = super().unsupported_fields()
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            names.append(f"response_format {self.response_format.get('type')!r}")
+        if self.tools and (isinstance(self.tool_choice, dict) or self.tool_choice == "required"):
+            names.append(f"tool_choice {self.tool_choice!r}")
+        return names
 
 
 class TopLogprob(BaseModel):

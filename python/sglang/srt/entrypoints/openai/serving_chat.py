@@ -73,6 +73,9 @@ class OpenAIServingChat(OpenAIServingBase):
             raise ValueError("chat completions need a tokenizer (server runs with "
                              "--skip-tokenizer-init)")
         messages = [_message_dict(m) for m in req.messages]
+        template_kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools and req.tool_choice != "none":
+            template_kwargs.setdefault("tools", req.tools)
         try:
             text = tokenizer.apply_chat_template(
                 messages,
@@ -80,7 +83,7 @@ class OpenAIServingChat(OpenAIServingBase):
                 add_generation_prompt=not req.continue_final_message,
                 continue_final_message=req.continue_final_message,
                 chat_template=self.chat_template,
-                **(req.chat_template_kwargs or {}),
+                **template_kwargs,
             )
         except Exception as e:  # jinja and tokenizer errors all mean a request we cannot render
             raise ValueError(f"cannot apply the chat template: {e}") from e
@@ -205,6 +208,9 @@ def _top_entry(token: str, logprob: float) -> TopLogprob:
 
 
 def _check_request(req: ChatCompletionRequest) -> None:
+    unsupported = req.unsupported_fields()
+    if unsupported:
+        raise ValueError(f"not supported by this server: {', '.join(unsupported)}")
     if req.n < 1:
         raise ValueError(f"n must be >= 1, got {req.n}")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= _MAX_TOP_LOGPROBS:

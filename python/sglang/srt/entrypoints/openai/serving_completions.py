@@ -63,6 +63,8 @@ class OpenAIServingCompletion(OpenAIServingBase):
             sampling_params=per_choice,
             rid=self.rids(req.rid, len(expanded)),
             return_logprob=req.logprobs is not None,
+            # echo + logprobs: the prompt's logprobs too (the first token's is None).
+            logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
             top_logprobs_num=req.logprobs or 0,
             return_text_in_logprobs=True,
             stream=req.stream,
@@ -78,11 +80,21 @@ class OpenAIServingCompletion(OpenAIServingBase):
         texts = [p if isinstance(p, str) else self.tm.tokenizer.decode(p) for p in prompts]
         return [t for t in texts for _ in range(req.n)]
 
-    def _logprobs(self, meta: dict[str, Any], start: int, offset: int) -> CompletionLogprobs:
-        """Logprobs of output tokens ``start:``; ``offset`` is the text offset of the first."""
-        tokens_lp = meta.get("output_token_logprobs") or []
-        tops = meta.get("output_top_logprobs") or []
+    def _logprobs(self, meta: dict[str, Any], start: int, offset: int,
+                  with_prompt: bool = False) -> CompletionLogprobs:
+        """Logprobs of output tokens ``start:``; ``offset`` is the text offset of the first.
+        ``with_prompt`` (echo): the prompt tokens' logprobs come first."""
         result = CompletionLogprobs()
+        if with_prompt:
+            offset = self._add_logprobs(result, meta.get("input_token_logprobs") or [],
+                                        meta.get("input_top_logprobs") or [], 0, 0)
+        self._add_logprobs(result, meta.get("output_token_logprobs") or [],
+                           meta.get("output_top_logprobs") or [], start, offset)
+        return result
+
+    def _add_logprobs(self, result: CompletionLogprobs, tokens_lp: list, tops: list,
+                      start: int, offset: int) -> int:
+        """Append entries ``start:`` of ``tokens_lp``; returns the text offset after them."""
         for pos in range(start, len(tokens_lp)):
             logprob, token_id, text = tokens_lp[pos]
             token = self.token_text(token_id, text)
@@ -95,7 +107,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
                 {self.token_text(t_id, t_text): t_lp for t_lp, t_id, t_text in top}
                 if top else None
             )
-        return result
+        return offset
 
     def _response(self, req: CompletionRequest, outputs: list[dict[str, Any]],
                   echoes: list[str], response_id: str) -> CompletionResponse:
@@ -106,8 +118,8 @@ class OpenAIServingCompletion(OpenAIServingBase):
             choices.append(CompletionChoice(
                 index=i,
                 text=echoes[i] + out.get("text", ""),
-                logprobs=self._logprobs(meta, 0, len(echoes[i])) if req.logprobs is not None
-                else None,
+                logprobs=self._logprobs(meta, 0, len(echoes[i]), with_prompt=req.echo)
+                if req.logprobs is not None else None,
                 finish_reason=finish_reason,
                 matched_stop=matched,
                 output_token_entropy=self.entropy_slice(meta, 0, req.return_entropy),
@@ -124,6 +136,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
                 response_id: str) -> Response:
         state = StreamState(len(echoes))
         offsets = [len(e) for e in echoes]
+        prompt_sent: set[int] = set()  # choices whose echoed prompt logprobs were sent
 
         def render(out: dict[str, Any]) -> Iterable[bytes]:
             tracker.observe(out)
@@ -134,8 +147,12 @@ class OpenAIServingCompletion(OpenAIServingBase):
                 text = echoes[i] + text
             logprobs = None
             if req.logprobs is not None:
-                logprobs = self._logprobs(delta.meta_info, delta.token_start, offsets[i])
-                offsets[i] += sum(len(t) for t in logprobs.tokens)
+                with_prompt = req.echo and i not in prompt_sent
+                prompt_sent.add(i)
+                logprobs = self._logprobs(delta.meta_info, delta.token_start,
+                                          0 if with_prompt else offsets[i], with_prompt)
+                offsets[i] = (logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                              if logprobs.tokens else offsets[i])
             if not text and delta.finish_reason is None and not (logprobs and logprobs.tokens):
                 return
             choice = CompletionChoice(
@@ -180,11 +197,12 @@ def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[
 
 
 def _check_request(req: CompletionRequest) -> None:
+    unsupported = req.unsupported_fields()
+    if unsupported:
+        raise ValueError(f"not supported by this server: {', '.join(unsupported)}")
     if req.suffix:
         raise ValueError("suffix is not supported")
     if req.n < 1:
         raise ValueError(f"n must be >= 1, got {req.n}")
     if req.logprobs is not None and not 0 <= req.logprobs <= _MAX_LOGPROBS:
         raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {req.logprobs}")
-    if req.echo and req.logprobs is not None:
-        raise ValueError("echo together with logprobs is not supported")

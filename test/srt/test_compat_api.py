@@ -1,0 +1,180 @@
+"""Drop-in compatibility with upstream SGLang's HTTP API: the shapes and refusals a user of
+upstream SGLang relies on, checked against a real server on a tiny model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from server_test_utils import ServerProcess
+
+from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+
+GREEDY = {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Callable[..., Path]) -> Iterator[ServerProcess]:
+    with ServerProcess(tiny_model_dir("llama"), "--skip-server-warmup") as srv:
+        yield srv
+
+
+def _post(server: ServerProcess, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
+def _error(response: httpx.Response, status: int) -> str:
+    assert response.status_code == status, response.text
+    return response.json()["error"]["message"]
+
+
+def test_single_prompt_with_per_prompt_lists(server: ServerProcess) -> None:
+    # Upstream accepts one-entry lists for a single prompt; more entries are a 400, not a 500.
+    out = _post(server, "/generate", {"text": "hi", "rid": ["only"], "sampling_params": [GREEDY]})
+    assert out.status_code == 200, out.text
+    assert out.json()["meta_info"]["id"] == "only"
+    assert out.json()["meta_info"]["completion_tokens"] == 3
+    assert "'rid' has 2 entries" in _error(
+        _post(server, "/generate", {"text": "hi", "rid": ["a", "b"]}), 400)
+    assert "'sampling_params' has 2 entries" in _error(
+        _post(server, "/generate", {"text": "hi", "sampling_params": [GREEDY, GREEDY]}), 400)
+    assert "sampling_params" in _error(
+        _post(server, "/generate", {"text": ["a", "b"], "sampling_params": [GREEDY, 3]}), 400)
+    # The server keeps serving.
+    assert _post(server, "/generate", {"text": "hi", "sampling_params": GREEDY}).status_code == 200
+
+
+def test_features_we_lack_are_refused_not_ignored(server: ServerProcess) -> None:
+    body = {"text": "hi", "sampling_params": GREEDY, "token_ids_logprob": [1, 2]}
+    assert "token_ids_logprob" in _error(_post(server, "/generate", body), 400)
+    # Unset (null) upstream fields are accepted, as upstream clients send them.
+    body = {"text": "hi", "sampling_params": GREEDY, "image_data": None, "lora_path": None}
+    assert _post(server, "/generate", body).status_code == 200
+
+
+def test_default_input_logprobs_are_upstreams_last_token_entry(server: ServerProcess) -> None:
+    ids = [5, 6, 7, 8]
+    out = _post(server, "/generate", {
+        "input_ids": ids, "sampling_params": GREEDY, "return_logprob": True,
+        "top_logprobs_num": 2, "return_text_in_logprobs": True,
+    }).json()["meta_info"]
+    # Upstream: logprob_start_len defaults to the last prompt token, whose logprob is None.
+    assert [[lp, tid] for lp, tid, _ in out["input_token_logprobs"]] == [[None, ids[-1]]]
+    assert isinstance(out["input_token_logprobs"][0][2], str)
+    assert out["input_top_logprobs"] == [None]
+    assert len(out["output_token_logprobs"]) == len(out["output_top_logprobs"]) == 3
+
+
+def test_first_prompt_position_has_none_top_logprobs(server: ServerProcess) -> None:
+    ids = [5, 6, 7, 8]
+    out = _post(server, "/generate", {
+        "input_ids": ids, "sampling_params": GREEDY, "return_logprob": True,
+        "logprob_start_len": 0, "top_logprobs_num": 2,
+    }).json()["meta_info"]
+    assert [tid for _, tid, _ in out["input_token_logprobs"]] == ids
+    assert out["input_token_logprobs"][0][0] is None
+    assert all(isinstance(lp, float) for lp, _, _ in out["input_token_logprobs"][1:])
+    tops = out["input_top_logprobs"]
+    assert len(tops) == len(ids)
+    assert tops[0] is None  # upstream: None, not an empty list
+    assert all(len(top) == 2 for top in tops[1:])
+
+
+def test_completions_echo_with_logprobs(server: ServerProcess) -> None:
+    body = {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1,
+            "ignore_eos": True}
+    choice = _post(server, "/v1/completions", body).json()["choices"][0]
+    logprobs = choice["logprobs"]
+    # Prompt tokens first (the first has no logprob), then the two generated ones.
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == 3 + 2
+    assert logprobs["token_logprobs"][0] is None
+    assert all(isinstance(lp, float) for lp in logprobs["token_logprobs"][1:])
+    assert logprobs["top_logprobs"][0] is None
+    assert "".join(logprobs["tokens"]) == choice["text"]
+    assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    # Streamed: the same entries, split over the chunks.
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
+                      timeout=60) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    streamed: list[float | None] = []
+    for event in events[:-1]:
+        streamed += json.loads(event)["choices"][0]["logprobs"]["token_logprobs"]
+    assert streamed == logprobs["token_logprobs"]
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ({"response_format": {"type": "json_object"}}, "response_format 'json_object'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     "response_format 'json_schema'"),
+    ({"regex": "[ab]+"}, "regex"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+      "tool_choice": "required"}, "tool_choice 'required'"),
+])
+def test_chat_structured_output_is_refused(server: ServerProcess, body: dict,
+                                           needle: str) -> None:
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body}
+    assert needle in _error(_post(server, "/v1/chat/completions", request), 400)
+
+
+def test_chat_plain_response_format_and_tools_are_served(server: ServerProcess) -> None:
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+               "ignore_eos": True, "response_format": {"type": "text"},
+               "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
+    out = _post(server, "/v1/chat/completions", request)
+    assert out.status_code == 200, out.text
+    assert out.json()["usage"]["completion_tokens"] == 2
+
+
+def test_completions_constraints_and_logit_bias_are_refused(server: ServerProcess) -> None:
+    body = {"prompt": "hi", "max_tokens": 2, "json_schema": '{"type": "object"}'}
+    assert "json_schema" in _error(_post(server, "/v1/completions", body), 400)
+    body = {"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": -100}}
+    assert "logit_bias" in _error(_post(server, "/v1/completions", body), 400)
+    # An empty logit_bias (what some clients send) changes nothing and is accepted.
+    body = {"prompt": "hi", "max_tokens": 2, "logit_bias": {}}
+    assert _post(server, "/v1/completions", body).status_code == 200
+
+
+def test_tools_reach_the_chat_template() -> None:
+    class RecordingTokenizer:
+        kwargs: dict[str, Any] = {}
+
+        def apply_chat_template(self, messages: list, **kwargs: Any) -> str:
+            RecordingTokenizer.kwargs = kwargs
+            return "prompt"
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [1, 2]
+
+    class TM:
+        tokenizer = RecordingTokenizer()
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    chat = OpenAIServingChat(TM(), None, None)
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools)
+    assert chat.render_prompt(req) == [1, 2]
+    assert RecordingTokenizer.kwargs["tools"] == tools
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools,
+                                tool_choice="none")
+    chat.render_prompt(req)
+    assert "tools" not in RecordingTokenizer.kwargs
+
+
+def test_budget_past_the_context_is_refused(server: ServerProcess) -> None:
+    # Upstream refuses an explicit max_new_tokens that does not fit the context (512 here).
+    body = {"input_ids": [5] * 10, "sampling_params": {"max_new_tokens": 600}}
+    message = _error(_post(server, "/generate", body), 400)
+    assert "exceeds the model's maximum context length of 512 tokens" in message
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 600}
+    assert "maximum context length" in _error(_post(server, "/v1/chat/completions", chat), 400)
+    # Without an explicit budget the default is used (clamped to the context when needed).
+    out = _post(server, "/generate", {"input_ids": [5] * 500, "sampling_params": {
+        "temperature": 0, "ignore_eos": True}})
+    assert out.status_code == 200, out.text
+    assert out.json()["meta_info"]["completion_tokens"] == 12

@@ -39,9 +39,12 @@ from sglang.srt.managers.io_struct import (
     FlushCacheReqOutput,
     GenerateReqInput,
     PauseGenerationReqInput,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightVersionReqInput,
 )
+from sglang.srt.managers.memory_occupation import resolve_tags
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils import kill_process_tree
@@ -53,6 +56,21 @@ _READY_POLL_S = 0.5
 # Upper bound on each step of shutdown, so that shutdown itself never hangs.
 _SHUTDOWN_STEP_TIMEOUT_S = 5.0
 _END = object()  # marks the end of a generate_request iterator across loops
+
+
+async def _memory_call(
+    manager: TokenizerManager, release: bool, tags: list[str] | None
+) -> dict[str, Any]:
+    """Release (or resume) memory through ``manager``; the reply as a dict. ValueError for bad
+    tags (before anything is sent), RuntimeError when the scheduler refuses."""
+    resolve_tags(tags)
+    if release:
+        out = await manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags))
+    else:
+        out = await manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags))
+    if not out.success:
+        raise RuntimeError(out.message)
+    return {"success": True, "message": out.message, "released_tags": out.released_tags}
 
 
 def _run_scheduler_child(
@@ -437,6 +455,28 @@ class Engine:
     ) -> dict[str, Any]:
         obj = UpdateWeightVersionReqInput(new_version, abort_all_requests)
         return await self._bridge(engine_weights.update_version(self._manager(), obj))
+
+    # ---- memory occupation (docs/memory.md) --------------------------------------------------
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Free the KV cache and/or weights (``tags``: "kv_cache", "weights", "cuda_graph";
+        None = all) until :meth:`resume_memory_occupation`; nothing runs meanwhile. Raises
+        ValueError for an unknown tag and RuntimeError when refused (a request holds KV)."""
+        return self._run(_memory_call(self._manager(), True, tags))
+
+    async def async_release_memory_occupation(
+        self, tags: list[str] | None = None
+    ) -> dict[str, Any]:
+        return await self._bridge(_memory_call(self._manager(), True, tags))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Allocate the memory of ``tags`` (None = all) again; resumed weights are reloaded
+        from the checkpoint they last came from (see docs/memory.md)."""
+        return self._run(_memory_call(self._manager(), False, tags))
+
+    async def async_resume_memory_occupation(
+        self, tags: list[str] | None = None
+    ) -> dict[str, Any]:
+        return await self._bridge(_memory_call(self._manager(), False, tags))
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def shutdown(self) -> None:

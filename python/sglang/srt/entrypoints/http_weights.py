@@ -1,4 +1,5 @@
-"""HTTP endpoints for weight updates (docs/weights.md), on their own router.
+"""HTTP endpoints for weight updates (docs/weights.md) and for releasing / resuming memory
+(docs/memory.md), on their own router.
 
 ``create_app`` includes :data:`router`; the app's guard middleware (auth, body limit) and
 error handlers cover these endpoints like every other.
@@ -8,6 +9,8 @@ error handlers cover these endpoints like every other.
 | POST /update_weights_from_disk | model_path, load_format?, weight_version?, flush_cache, abort_all_requests | {success, message, num_paused_requests}; 400 when refused |
 | GET/POST /get_weights_by_name | name, truncate_size | nested float lists; 400 when unknown |
 | POST /update_weight_version | new_version, abort_all_requests (false) | {success, message, new_version, num_aborted} |
+| GET/POST /release_memory_occupation | tags? (null = all) | {success, message, released_tags}; 400 when refused |
+| GET/POST /resume_memory_occupation | tags? (null = all) | {success, message, released_tags} |
 """  # noqa: E501 - the table is documentation
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ from pydantic import BaseModel
 from sglang.srt.entrypoints.openai.serving_base import error_body, json_response
 from sglang.srt.managers.io_struct import (
     GetWeightsByNameReqInput,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightVersionReqInput,
 )
+from sglang.srt.managers.memory_occupation import resolve_tags
 
 router = APIRouter()
 
@@ -44,6 +50,10 @@ class GetWeightsByNameBody(BaseModel):
 class UpdateWeightVersionBody(BaseModel):
     new_version: str
     abort_all_requests: bool = False  # upstream defaults to true; relabelling alone aborts nothing
+
+
+class MemoryOccupationBody(BaseModel):
+    tags: list[str] | None = None  # "kv_cache", "weights", "cuda_graph"; null = all
 
 
 def _tm(request: Request) -> Any:
@@ -86,3 +96,33 @@ async def update_weight_version(body: UpdateWeightVersionBody, request: Request)
         raise ValueError(out.message)
     return json_response({"success": True, "message": out.message,
                           "new_version": out.new_version, "num_aborted": out.num_aborted})
+
+
+@router.api_route("/release_memory_occupation", methods=["GET", "POST"])
+async def release_memory_occupation(
+    request: Request, body: MemoryOccupationBody | None = None
+) -> Response:
+    """Free the KV cache and/or weights until resumed; 400 for an unknown tag or while a
+    request holds KV."""
+    tags = (body or MemoryOccupationBody()).tags
+    resolve_tags(tags)  # ValueError -> 400 before anything is sent
+    out = await _tm(request).release_memory_occupation(ReleaseMemoryOccupationReqInput(tags))
+    return _memory_reply(out)
+
+
+@router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+async def resume_memory_occupation(
+    request: Request, body: MemoryOccupationBody | None = None
+) -> Response:
+    """Allocate the released memory of ``tags`` again (weights reloaded from their checkpoint)."""
+    tags = (body or MemoryOccupationBody()).tags
+    resolve_tags(tags)
+    out = await _tm(request).resume_memory_occupation(ResumeMemoryOccupationReqInput(tags))
+    return _memory_reply(out)
+
+
+def _memory_reply(out: Any) -> Response:
+    reply = {"success": out.success, "message": out.message, "released_tags": out.released_tags}
+    if out.success:
+        return json_response(reply)
+    return json_response({**reply, **error_body(out.message, 400)}, 400)

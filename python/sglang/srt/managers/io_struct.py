@@ -413,6 +413,40 @@ class UpdateWeightVersionReqOutput:
     req_id: str = ""
 
 
+# ---- memory occupation (docs/memory.md) ------------------------------------------------------
+@dataclass
+class ReleaseMemoryOccupationReqInput:
+    """Free the memory of ``tags`` ("kv_cache", "weights", "cuda_graph"; None = all) until a
+    resume; nothing runs meanwhile. Refused while a request holds KV."""
+
+    tags: list[str] | None = None
+    req_id: str = field(default_factory=_new_id)
+
+
+@dataclass
+class ReleaseMemoryOccupationReqOutput:
+    success: bool
+    message: str
+    released_tags: list[str] = field(default_factory=list)  # released after this call
+    req_id: str = ""
+
+
+@dataclass
+class ResumeMemoryOccupationReqInput:
+    """Allocate the memory of ``tags`` (None = all) again."""
+
+    tags: list[str] | None = None
+    req_id: str = field(default_factory=_new_id)
+
+
+@dataclass
+class ResumeMemoryOccupationReqOutput:
+    success: bool
+    message: str
+    released_tags: list[str] = field(default_factory=list)  # still released after this call
+    req_id: str = ""
+
+
 @dataclass
 class SchedulerErrorOutput:
     """The scheduler died; every pending caller gets this message as an error."""

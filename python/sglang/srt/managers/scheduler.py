@@ -33,12 +33,15 @@ from sglang.srt.managers.io_struct import (
     GetWeightsByNameReqInput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
     SchedulerErrorOutput,
     TokenizedGenerateReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromTensorReqInput,
     UpdateWeightVersionReqInput,
 )
+from sglang.srt.managers.memory_occupation import MemoryOccupation
 from sglang.srt.managers.pause_state import PauseModeError, PauseState, resolve_pause_mode
 from sglang.srt.managers.req_kv import ReqKV
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
@@ -119,6 +122,7 @@ class Scheduler:
             server_args.stream_interval,
         )
         self.weights = WeightUpdater(self)
+        self.memory = MemoryOccupation(self)
         self.dispatch = TypeBasedDispatcher(
             [
                 (TokenizedGenerateReqInput, self.handle_generate_request),
@@ -131,6 +135,8 @@ class Scheduler:
                 (UpdateWeightsFromTensorReqInput, self.weights.update_from_tensor),
                 (GetWeightsByNameReqInput, self.weights.get_weights_by_name),
                 (UpdateWeightVersionReqInput, self.weights.update_weight_version),
+                (ReleaseMemoryOccupationReqInput, self.memory.release),
+                (ResumeMemoryOccupationReqInput, self.memory.resume),
             ]
         )
 
@@ -191,13 +197,14 @@ class Scheduler:
 
     # ---- batch selection --------------------------------------------------------------------
     def has_runnable_work(self) -> bool:
-        if self.pause is not None and not self.pause.draining:
+        if (self.pause is not None and not self.pause.draining) or self.memory.blocks_forward():
             return False
         return bool(self.waiting_queue or self.chunked_req or not self.running_batch.is_empty())
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        """Prefill first (unless paused or draining), else decode; None when idle/paused."""
-        if self.pause is not None and not self.pause.draining:
+        """Prefill first (unless paused or draining), else decode; None when idle, paused or
+        while memory is released."""
+        if (self.pause is not None and not self.pause.draining) or self.memory.blocks_forward():
             return None
         if self.pause is None or self.chunked_req is not None:
             batch = self.get_new_batch_prefill(admit_new=self.pause is None)
@@ -467,6 +474,7 @@ class Scheduler:
             "new_token_ratio": self.new_token_ratio,
             "init_new_token_ratio": self.init_new_token_ratio,
             "weight_version": self.weights.version,
+            "memory_released_tags": sorted(self.memory.released),
             "max_running_requests": self.max_running_requests,
         }
 

@@ -39,6 +39,10 @@ from sglang.srt.managers.io_struct import (
     GetWeightsByNameReqOutput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
+    ReleaseMemoryOccupationReqInput,
+    ReleaseMemoryOccupationReqOutput,
+    ResumeMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqOutput,
     SchedulerErrorOutput,
     TokenizedGenerateReqInput,
     UpdateWeightFromDiskReqInput,
@@ -124,6 +128,8 @@ class TokenizerManager:
                 (UpdateWeightsFromTensorReqOutput, self._handle_control_output),
                 (GetWeightsByNameReqOutput, self._handle_control_output),
                 (UpdateWeightVersionReqOutput, self._handle_control_output),
+                (ReleaseMemoryOccupationReqOutput, self._handle_control_output),
+                (ResumeMemoryOccupationReqOutput, self._handle_control_output),
                 (SchedulerErrorOutput, self._handle_scheduler_error),
             ]
         )
@@ -401,6 +407,19 @@ class TokenizerManager:
         self, obj: UpdateWeightVersionReqInput
     ) -> UpdateWeightVersionReqOutput:
         """Relabel the current weights; aborts every request only when asked."""
+        return await self._control(obj)
+
+    # ---- memory occupation (docs/memory.md) --------------------------------------------------
+    async def release_memory_occupation(
+        self, obj: ReleaseMemoryOccupationReqInput
+    ) -> ReleaseMemoryOccupationReqOutput:
+        """Free the scheduler's KV cache and/or weights until resumed (refused while a request
+        holds KV)."""
+        return await self._control(obj)
+
+    async def resume_memory_occupation(
+        self, obj: ResumeMemoryOccupationReqInput
+    ) -> ResumeMemoryOccupationReqOutput:
         return await self._control(obj)
 
     async def _control(self, req: Any) -> Any:

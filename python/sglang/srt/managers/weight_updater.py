@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_WEIGHT_VERSION = "default"
 _ABORT_MESSAGE = "Aborted by a weight update"
+_RELEASED = (
+    "The weights are released (release_memory_occupation); call resume_memory_occupation "
+    "with tags ['weights'] first"
+)
 
 
 class WeightUpdater:
@@ -72,6 +76,8 @@ class WeightUpdater:
     # ---- handlers ----------------------------------------------------------------------------
     def update_from_disk(self, recv: UpdateWeightFromDiskReqInput) -> UpdateWeightFromDiskReqOutput:
         """Validate, then swap in the checkpoint at ``recv.model_path``."""
+        if self._released():
+            return UpdateWeightFromDiskReqOutput(False, _RELEASED, req_id=recv.req_id)
         try:
             new_config = self._validate_disk(recv.model_path, recv.load_format)
         except Exception as e:  # any refusal, including unreadable configs, changes nothing
@@ -93,6 +99,8 @@ class WeightUpdater:
         self, recv: UpdateWeightsFromTensorReqInput
     ) -> UpdateWeightsFromTensorReqOutput:
         """Validate every tensor first, then copy them all in."""
+        if self._released():
+            return UpdateWeightsFromTensorReqOutput(False, _RELEASED, req_id=recv.req_id)
         try:
             wu.validate_tensors(self.meta_model(), recv.named_tensors, recv.load_format)
         except Exception as e:  # whatever the caller sent, a refusal changes nothing
@@ -110,6 +118,8 @@ class WeightUpdater:
         return UpdateWeightsFromTensorReqOutput(ok, message, self._num_alive(), req_id=recv.req_id)
 
     def get_weights_by_name(self, recv: GetWeightsByNameReqInput) -> GetWeightsByNameReqOutput:
+        if self._released():
+            return GetWeightsByNameReqOutput(None, _RELEASED, req_id=recv.req_id)
         try:
             values = wu.get_weights_by_name(self.model, recv.name, int(recv.truncate_size))
         except (wu.WeightUpdateError, TypeError, ValueError) as e:
@@ -134,7 +144,24 @@ class WeightUpdater:
             req_id=recv.req_id,
         )
 
+    def restore_after_resume(self) -> str:
+        """The weights were just re-allocated (zero-filled) by resume_memory_occupation: reload
+        ``source`` if there is one, and treat it as a weight change. Returns a note for the
+        caller."""
+        if self.source is None:
+            note = (
+                "The weights were last set from tensors (or are dummy): they are zero until "
+                "updated; push them with update_weights_from_tensor before generating."
+            )
+        else:
+            wu.load_checkpoint(self.model, self.source)
+            note = f"Weights reloaded from {self.source.model_path}."
+        self._commit(None, flush=True)
+        return note
+
     # ---- steps -------------------------------------------------------------------------------
+    def _released(self) -> bool:
+        return self.scheduler.memory.weights_released()
     def set_version(self, version: str) -> None:
         self.version = version
         self.scheduler.output.weight_version = version

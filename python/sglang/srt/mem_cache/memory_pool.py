@@ -68,14 +68,28 @@ class MHATokenToKVPool:
         self.head_dim = head_dim
         self.layer_num = layer_num
         self.device = device
-        shape = (size + page_size, head_num, head_dim)
+        self.k_buffer: list[torch.Tensor] = []
+        self.v_buffer: list[torch.Tensor] = []
+        self.resume()
+
+    def resume(self) -> None:
+        """(Re)allocate the buffers; their slots hold no KV (after release: all slots free)."""
+        shape = (self.size + self.page_size, self.head_num, self.head_dim)
         # torch.empty leaves the pages untouched, so the unused part of a large pool costs no
         # resident memory. Only the reserved first page is ever read before being written (it
         # pads gathers), so only it is zeroed.
-        self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layer_num)]
-        self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+        self.k_buffer = [self._empty(shape) for _ in range(self.layer_num)]
+        self.v_buffer = [self._empty(shape) for _ in range(self.layer_num)]
         for buf in self.k_buffer + self.v_buffer:
-            buf[:page_size].zero_()
+            buf[: self.page_size].zero_()
+
+    def release(self) -> None:
+        """Free the buffers (release_memory_occupation); the caller has freed every slot, and
+        nothing reads the pool until :meth:`resume`."""
+        self.k_buffer, self.v_buffer = [], []
+
+    def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]

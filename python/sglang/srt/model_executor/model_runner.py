@@ -38,6 +38,8 @@ class ModelRunner:
         torch.manual_seed(server_args.random_seed)
 
         self.model = get_model(model_config, self.device)
+        # Parameter shapes while the weights are released (release_weights), by name.
+        self._released_shapes: dict[str, torch.Size] = {}
         self.max_total_num_tokens = self._kv_pool_size()
         self.max_running_requests = server_args.max_running_requests or min(
             _MAX_DEFAULT_RUNNING_REQUESTS, max(1, self.max_total_num_tokens // 8)
@@ -112,3 +114,27 @@ class ModelRunner:
         forward_batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    # ---- release_memory_occupation / resume_memory_occupation (docs/memory.md) --------------
+    def release_kv_cache(self) -> None:
+        """Free the KV buffers and whatever the attention backend derived from them. The
+        caller has freed every slot (a flush); nothing runs until :meth:`resume_kv_cache`."""
+        self.attn_backend.release_memory()
+        self.token_to_kv_pool.release()
+
+    def resume_kv_cache(self) -> None:
+        self.token_to_kv_pool.resume()
+
+    def release_weights(self) -> None:
+        """Free every parameter's storage (the Parameter objects, their shapes and weight
+        loaders stay); nothing runs until :meth:`resume_weights`."""
+        for name, param in self.model.named_parameters():
+            self._released_shapes[name] = param.shape
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def resume_weights(self) -> None:
+        """Allocate the parameters again, zero-filled: the caller reloads or pushes weights."""
+        for name, param in self.model.named_parameters():
+            shape = self._released_shapes.pop(name, None)
+            if shape is not None:
+                param.data = torch.zeros(shape, dtype=param.dtype, device=param.device)

@@ -30,6 +30,9 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Precompute what every layer needs into ``forward_batch.attn_metadata`` (mutates it)."""
 
+    def release_memory(self) -> None:  # noqa: B027 (a hook: stateless backends keep nothing)
+        """Drop whatever the backend keeps across batches (the KV pool is being released)."""
+
     @staticmethod
     def store_kv(
         k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch

@@ -1,0 +1,115 @@
+"""The scheduler's release_memory_occupation / resume_memory_occupation handlers (docs/memory.md).
+
+RL frameworks that share a device between trainer and rollout engine free the engine's memory
+while they train, then bring it back to sync weights and generate again::
+
+    pause_generation(mode="retract")            # or wait for the rollout to end
+    release_memory_occupation()                 # KV cache and weights freed
+    ... train ...
+    resume_memory_occupation(tags=["weights"])
+    update_weights_from_tensor(...)             # or from disk
+    resume_memory_occupation(tags=["kv_cache"])
+    continue_generation()
+
+Rules: a release is refused while a request holds KV (running, chunked, or paused in place);
+requests waiting in the queue (retracted ones included) hold none and simply wait. While any
+tag is released nothing is scheduled; weight updates and reads are refused while the weights
+are. Releasing the KV cache flushes the prefix cache first. Resumed weights are reloaded from
+the checkpoint they last came from on disk; after a tensor update (no file to re-read) they
+come back zero-filled and must be pushed again before generating. Both calls are idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from sglang.srt.managers.io_struct import (
+    ReleaseMemoryOccupationReqInput,
+    ReleaseMemoryOccupationReqOutput,
+    ResumeMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqOutput,
+)
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
+# Upstream's tags. There are no CUDA graphs to free: that tag is accepted and does nothing.
+MEMORY_TAGS = (KV_CACHE, WEIGHTS, CUDA_GRAPH)
+
+
+def resolve_tags(tags: list[str] | None) -> list[str]:
+    """``tags`` checked and de-duplicated (None = all); ValueError naming a wrong one."""
+    if tags is None:
+        return list(MEMORY_TAGS)
+    if isinstance(tags, str) or not isinstance(tags, list):
+        raise ValueError(f"tags must be a list of {list(MEMORY_TAGS)} or null, got {tags!r}")
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown:
+        raise ValueError(f"unknown memory tag(s) {unknown}; known: {list(MEMORY_TAGS)}")
+    return [t for t in MEMORY_TAGS if t in tags]
+
+
+class MemoryOccupation:
+    """Which memory of one scheduler is released. Owns that set; the memory itself stays with
+    the ModelRunner (weights, KV pool)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.released: set[str] = set()
+
+    def blocks_forward(self) -> bool:
+        """True while weights or KV cache are released: the scheduler runs nothing."""
+        return bool(self.released & {KV_CACHE, WEIGHTS})
+
+    def weights_released(self) -> bool:
+        return WEIGHTS in self.released
+
+    def release(self, recv: ReleaseMemoryOccupationReqInput) -> ReleaseMemoryOccupationReqOutput:
+        sched = self.scheduler
+        try:
+            tags = resolve_tags(recv.tags)
+        except ValueError as e:
+            return ReleaseMemoryOccupationReqOutput(False, str(e), self._state(), recv.req_id)
+        if sched.has_kv_holders():
+            holders = len(sched.running_batch) + (sched.chunked_req is not None)
+            message = (
+                f"{holders} request(s) hold KV cache (running or paused in place); pause with "
+                "mode 'retract' or 'abort' (or let them finish) before releasing memory"
+            )
+            return ReleaseMemoryOccupationReqOutput(False, message, self._state(), recv.req_id)
+        runner = sched.tp_worker.model_runner
+        new = [t for t in tags if t not in self.released]
+        if KV_CACHE in new:
+            sched.flush_cache()  # cannot be refused: nothing holds KV
+            runner.release_kv_cache()
+        if WEIGHTS in new:
+            runner.release_weights()
+        self.released.update(new)
+        logger.info("Released memory: %s", new or "nothing new")
+        message = f"Released {new}." if new else "Already released."
+        return ReleaseMemoryOccupationReqOutput(True, message, self._state(), recv.req_id)
+
+    def resume(self, recv: ResumeMemoryOccupationReqInput) -> ResumeMemoryOccupationReqOutput:
+        try:
+            tags = resolve_tags(recv.tags)
+        except ValueError as e:
+            return ResumeMemoryOccupationReqOutput(False, str(e), self._state(), recv.req_id)
+        runner = self.scheduler.tp_worker.model_runner
+        back = [t for t in tags if t in self.released]
+        notes = []
+        if WEIGHTS in back:
+            runner.resume_weights()
+            notes.append(self.scheduler.weights.restore_after_resume())
+        if KV_CACHE in back:
+            runner.resume_kv_cache()
+        self.released.difference_update(back)
+        logger.info("Resumed memory: %s", back or "nothing released")
+        message = " ".join([f"Resumed {back}." if back else "Nothing to resume.", *notes])
+        return ResumeMemoryOccupationReqOutput(True, message, self._state(), recv.req_id)
+
+    def _state(self) -> list[str]:
+        return [t for t in MEMORY_TAGS if t in self.released]

@@ -1,0 +1,130 @@
+"""release_memory_occupation / resume_memory_occupation through Engine and HTTP: the RL
+colocation cycle (pause, release, resume weights, push weights, resume KV, continue), refusals,
+nothing scheduled while released, and no KV leaked."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+import torch
+from server_test_utils import ServerProcess
+from test_engine_pause import _check_complete, _running, _state, _submit, _wait_for
+
+import sglang as sgl
+
+GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+PROMPT = [11, 22, 33, 44, 55]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    with sgl.Engine(model_path=str(tiny_model_dir("llama")), random_seed=0) as eng:
+        yield eng
+
+
+@pytest.fixture(autouse=True)
+def _resume_everything(engine):
+    yield
+    engine.resume_memory_occupation()
+    engine.continue_generation()
+    engine.abort_request(abort_all=True)
+
+
+def test_release_all_then_resume_all_gives_the_same_outputs(engine) -> None:
+    expected = engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
+    initial_kv = _state(engine)["available_kv_tokens"]
+    out = engine.release_memory_occupation()
+    assert out["success"] and out["released_tags"] == ["kv_cache", "weights", "cuda_graph"]
+    assert _state(engine)["memory_released_tags"] == ["cuda_graph", "kv_cache", "weights"]
+    assert _state(engine)["tree_cache_size"] == 0  # releasing the KV cache flushed it
+    # Idempotent: a second release changes nothing.
+    assert engine.release_memory_occupation()["message"] == "Already released."
+    out = engine.resume_memory_occupation()
+    assert out["released_tags"] == [] and "reloaded" in out["message"]
+    assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"] == expected
+    assert _state(engine)["available_kv_tokens"] == initial_kv
+
+
+def test_nothing_runs_while_released_and_queued_requests_finish_after(engine) -> None:
+    expected = engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
+    engine.release_memory_occupation(tags=["kv_cache"])
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(engine.generate, input_ids=PROMPT, sampling_params=GREEDY)
+        _wait_for(lambda: _state(engine)["waiting_queue_size"] == 1)
+        time.sleep(0.3)
+        assert not fut.done() and _state(engine)["running_batch_size"] == 0
+        engine.resume_memory_occupation(tags=["kv_cache"])
+        assert fut.result(timeout=60)["output_ids"] == expected
+
+
+def test_release_is_refused_while_requests_hold_kv(engine) -> None:
+    with ThreadPoolExecutor(4) as pool:
+        futs = _submit(engine, pool)
+        _running(engine)
+        engine.pause_generation(mode="in_place")
+        with pytest.raises(RuntimeError, match="hold KV cache"):
+            engine.release_memory_occupation()
+        assert _state(engine)["memory_released_tags"] == []
+        engine.continue_generation()
+        for fut in futs:
+            _check_complete(fut.result(timeout=120))
+
+
+def test_rl_cycle_retract_release_push_weights_resume_continue(engine) -> None:
+    """Retracted requests survive the release and finish with exact token accounting; weights
+    pushed between the two resumes are the ones used afterwards."""
+    original = torch.tensor(engine.get_weights_by_name("lm_head.weight", truncate_size=10**6))
+    with ThreadPoolExecutor(4) as pool:
+        futs = _submit(engine, pool)
+        _running(engine)
+        engine.pause_generation(mode="retract")
+        engine.release_memory_occupation()
+        assert _state(engine)["waiting_queue_size"] == 4
+        with pytest.raises(ValueError, match="released"):
+            engine.get_weights_by_name("lm_head.weight")
+        engine.resume_memory_occupation(tags=["weights"])
+        ok, message = engine.update_weights_from_tensor(
+            [("lm_head.weight", original)], weight_version="v2"
+        )
+        assert ok, message
+        engine.resume_memory_occupation(tags=["kv_cache"])
+        engine.continue_generation()
+        for fut in futs:
+            out = fut.result(timeout=120)
+            _check_complete(out)
+            assert out["meta_info"]["weight_versions"][-1]["version"] == "v2"
+
+
+def test_weight_updates_are_refused_while_weights_are_released(engine, tiny_model_dir) -> None:
+    engine.release_memory_occupation(tags=["weights"])
+    ok, message, _ = engine.update_weights_from_disk(str(tiny_model_dir("llama")))
+    assert not ok and "resume_memory_occupation" in message
+    engine.resume_memory_occupation(tags=["weights"])
+    ok, message, _ = engine.update_weights_from_disk(str(tiny_model_dir("llama")))
+    assert ok, message
+
+
+def test_unknown_tag_is_a_value_error(engine) -> None:
+    with pytest.raises(ValueError, match="unknown memory tag"):
+        engine.release_memory_occupation(tags=["gpu"])
+    with pytest.raises(ValueError, match="tags must be a list"):
+        engine.resume_memory_occupation(tags="weights")
+    assert _state(engine)["memory_released_tags"] == []
+
+
+def test_http_endpoints(tiny_model_dir) -> None:
+    with ServerProcess(tiny_model_dir("llama")) as server:
+        url = server.url
+        bad = requests.post(f"{url}/release_memory_occupation", json={"tags": ["nope"]})
+        assert bad.status_code == 400 and "unknown memory tag" in bad.json()["error"]["message"]
+        released = requests.post(f"{url}/release_memory_occupation", json={"tags": ["kv_cache"]})
+        assert released.status_code == 200
+        assert released.json()["released_tags"] == ["kv_cache"]
+        resumed = requests.get(f"{url}/resume_memory_occupation")  # no body: every tag
+        assert resumed.status_code == 200 and resumed.json()["released_tags"] == []
+        body = {"input_ids": PROMPT, "sampling_params": GREEDY}
+        out = requests.post(f"{url}/generate", json=body)
+        assert out.status_code == 200 and len(out.json()["output_ids"]) == 12

@@ -182,11 +182,11 @@ async def health(request: Request) -> Response:
 async def health_generate(request: Request) -> Response:
     """Generate one token end to end; 503 if that fails or takes too long.
 
-    While generation is paused nothing would decode, so the check is then a round trip to the
-    scheduler (it still serves control requests).
+    While generation is paused or memory is released nothing would decode, so the check is
+    then a round trip to the scheduler (it still serves control requests).
     """
     tm = _tm(request)
-    if getattr(tm, "is_paused", False):
+    if getattr(tm, "is_paused", False) or getattr(tm, "memory_released", False):
         probe = tm.get_internal_state()
     else:
         probe = _drain(tm.generate_request(_probe_request(tm, f"HEALTH_CHECK_{uuid.uuid4().hex}")))

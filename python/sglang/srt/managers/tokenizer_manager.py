@@ -111,6 +111,8 @@ class TokenizerManager:
         self._dead_reason: str | None = None
         # Monotonic time until which the engine is paused (inf: until continue; None: running).
         self._paused_until: float | None = None
+        # Whether the scheduler's KV cache or weights are released (nothing decodes then).
+        self.memory_released = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._context: zmq.asyncio.Context | None = None
@@ -415,12 +417,16 @@ class TokenizerManager:
     ) -> ReleaseMemoryOccupationReqOutput:
         """Free the scheduler's KV cache and/or weights until resumed (refused while a request
         holds KV)."""
-        return await self._control(obj)
+        return self._note_memory(await self._control(obj))
 
     async def resume_memory_occupation(
         self, obj: ResumeMemoryOccupationReqInput
     ) -> ResumeMemoryOccupationReqOutput:
-        return await self._control(obj)
+        return self._note_memory(await self._control(obj))
+
+    def _note_memory(self, out: Any) -> Any:
+        self.memory_released = bool({"kv_cache", "weights"} & set(out.released_tags))
+        return out
 
     async def _control(self, req: Any) -> Any:
         """Send a control request and await the reply carrying the same ``req_id``."""

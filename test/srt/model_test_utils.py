@@ -101,6 +101,15 @@ class BatchBuilder:
         """DECODE batch with one new token per request."""
         return self._build(ForwardMode.DECODE, [(rid, [tok]) for rid, tok in reqs])
 
+    def release(self, rid: str) -> None:
+        """Forget ``rid``: free its row and put its slots first in line, so that the next
+        request gets, token for token, the same slots (and the same row when no other row is
+        free)."""
+        row = self.rows.pop(rid)
+        slots = self.req_to_token_pool.req_to_token[row, : self.seq_lens.pop(rid)].tolist()
+        self.req_to_token_pool.free(row)
+        self._free_slots = slots + self._free_slots
+
     def run(self, model: torch.nn.Module, batch: ForwardBatch) -> LogitsProcessorOutput:
         """Init attention metadata and run the model forward (no autograd)."""
         batch.attn_backend = self.backend

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from model_test_utils import (
     BatchBuilder,
     hf_greedy,
@@ -14,7 +15,10 @@ from model_test_utils import (
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from sglang.srt.layers.attention import get_attention_backend_class, torch_native_backend
+from sglang.srt.layers.attention.decode_kv_mirror import DecodeKVMirror, MirrorPlan
 from sglang.srt.layers.attention.torch_native_backend import group_by_length
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.linear import linear
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.rotary_embedding import get_rope
 from sglang.srt.models.registry import get_model_class
@@ -106,6 +110,8 @@ def test_length_grouped_decode_matches_hf(models, monkeypatch: pytest.MonkeyPatc
     """Force one SDPA group per length class; rows must still land in batch order."""
     hf_model, model = models
     monkeypatch.setattr(torch_native_backend, "_MIN_SAVED_SLOTS", 0)
+    # The gather path (the CPU decode mirror refuses, as it does over its memory budget).
+    monkeypatch.setattr(DecodeKVMirror, "plan", lambda self, forward_batch: None)
     prompts = [PROMPTS[2], PROMPTS[1], PROMPTS[0], [9]]  # lengths 3, 13, 7, 1
     builder = BatchBuilder(model.config)
     rids = ["a", "b", "c", "d"]
@@ -117,6 +123,63 @@ def test_length_grouped_decode_matches_hf(models, monkeypatch: pytest.MonkeyPatc
     for i, prompt in enumerate(prompts):
         expected = hf_logits(hf_model, prompt + tokens[i])[-1]
         torch.testing.assert_close(out.next_token_logits[i], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_mirror_follows_batch_changes(models) -> None:
+    """The CPU decode mirror across steps whose batches drop, add and reorder requests, and
+    a request that reuses a finished one's row and slots (its KV differs: must be refilled)."""
+    hf_model, model = models
+    builder = BatchBuilder(model.config, max_reqs=3)
+    seqs = {"a": list(PROMPTS[0]), "b": list(PROMPTS[1]), "c": list(PROMPTS[2])}
+
+    def step(batch, rids: list[str]) -> None:
+        out = builder.run(model, batch)
+        for rid, row in zip(rids, out.next_token_logits):
+            expected = hf_logits(hf_model, seqs[rid])[-1]
+            torch.testing.assert_close(row, expected, atol=1e-4, rtol=1e-4)
+            seqs[rid].append(int(row.argmax()))
+
+    def decode(rids: list[str]) -> None:
+        batch = builder.decode([(rid, seqs[rid][-1]) for rid in rids])
+        step(batch, rids)
+        assert isinstance(batch.attn_metadata, MirrorPlan)
+
+    step(builder.extend([(rid, seqs[rid]) for rid in "abc"]), list("abc"))
+    decode(list("abc"))
+    decode(["c", "a"])  # b dropped, order changed
+    builder.release("a")
+    seqs["d"] = [11, 12, 13, 14, 15, 16, 17, 18]  # a's row and slots, other tokens
+    step(builder.extend([("d", seqs["d"])]), ["d"])
+    for rids in (["b", "c", "d"], ["d", "b"], ["b", "c", "d"]):
+        decode(rids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rounds_like_hf(dtype: torch.dtype) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    hf_norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    norm = RMSNorm(96, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        hf_norm.weight.normal_()
+        norm.weight.copy_(hf_norm.weight)
+    x = (torch.randn(5, 96) * 4).to(dtype)
+    residual = torch.randn(5, 96).to(dtype)
+    assert torch.equal(norm(x), hf_norm(x))
+    out, summed = norm(x, residual)
+    assert torch.equal(summed, x + residual) and torch.equal(out, hf_norm(x + residual))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_single_row(bias: bool) -> None:
+    """One bfloat16 row takes the mv path: the same values as F.linear."""
+    torch.manual_seed(0)
+    for out_features, in_features in ((2 * 1536, 576), (576, 1536), (960, 576), (4096, 576)):
+        weight = torch.randn(out_features, in_features).bfloat16()
+        b = torch.randn(out_features).bfloat16() if bias else None
+        x = torch.randn(1, in_features).bfloat16()
+        assert torch.equal(linear(x, weight, b), F.linear(x, weight, b))
 
 
 def test_chunked_prefill_equals_one_shot(models) -> None:

@@ -89,7 +89,8 @@ class ServerArgs:
     mem_fraction_static: float | None = _arg(
         None,
         "Fraction of device memory for weights + KV cache (CUDA: 0.85 by default). On CPU "
-        "the KV pool takes this fraction of the free RAM (0.2 by default).",
+        "the KV pool takes this fraction of the free RAM (0.2 by default); decode keeps a "
+        "dense copy of the running requests' KV beside it, at most as large as the pool.",
     )
     max_total_tokens: int | None = _arg(
         None, "Size of the KV pool in tokens; overrides --mem-fraction-static."

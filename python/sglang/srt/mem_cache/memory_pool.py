@@ -22,6 +22,10 @@ class ReqToTokenPool:
         self.device = device
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
         self._free_rows: list[int] = list(range(size))
+        # Bumped whenever a row is handed out or rewritten through alloc/write/clear: whoever
+        # keeps data derived from a row's KV (the CPU decode mirror) may reuse it while the
+        # row's epoch is unchanged. Decode appends (one slot per step) do not bump it.
+        self.row_epochs: list[int] = [0] * size
 
     def available_size(self) -> int:
         return len(self._free_rows)
@@ -31,6 +35,8 @@ class ReqToTokenPool:
         if num_rows > len(self._free_rows):
             return None
         rows, self._free_rows = self._free_rows[:num_rows], self._free_rows[num_rows:]
+        for row in rows:
+            self.row_epochs[row] += 1
         return rows
 
     def free(self, rows: int | list[int]) -> None:
@@ -40,9 +46,11 @@ class ReqToTokenPool:
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Record ``slots`` as the KV slots of tokens ``start .. start+len(slots)-1`` of ``row``."""
         self.req_to_token[row, start : start + slots.numel()] = slots
+        self.row_epochs[row] += 1
 
     def clear(self) -> None:
         self._free_rows = list(range(self.size))
+        self.row_epochs = [epoch + 1 for epoch in self.row_epochs]
 
 
 class MHATokenToKVPool:
@@ -103,9 +111,11 @@ class MHATokenToKVPool:
     def set_kv_buffer(
         self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
     ) -> None:
-        """Write ``cache_k/v`` (``[T, head_num, head_dim]``) at slots ``loc`` (``[T]``)."""
-        self.k_buffer[layer_id][loc] = cache_k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = cache_v.to(self.dtype)
+        """Write ``cache_k/v`` (``[T, head_num, head_dim]``) at slots ``loc`` (``[T]`` int64,
+        distinct slots)."""
+        # index_copy_ rather than advanced-index assignment: about half the CPU time per call.
+        self.k_buffer[layer_id].index_copy_(0, loc, cache_k.to(self.dtype))
+        self.v_buffer[layer_id].index_copy_(0, loc, cache_v.to(self.dtype))
 
     @staticmethod
     def bytes_per_token(dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int) -> int:

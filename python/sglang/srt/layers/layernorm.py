@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.layers.linear import default_weight_loader
@@ -10,10 +11,13 @@ from sglang.srt.layers.linear import default_weight_loader
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x^2) + eps))`` over the last dim, statistics in float32, the
-    normalised value cast back to x's dtype before the weight multiply."""
-    x_fp32 = x.float()
-    variance = x_fp32.pow(2).mean(-1, keepdim=True)
-    return weight * (x_fp32 * torch.rsqrt(variance + eps)).to(x.dtype)
+    normalised value cast back to x's dtype before the weight multiply.
+
+    One ``F.rms_norm`` call instead of five ops (less per-op overhead at batch 1), bitwise
+    equal to the op-by-op version in float32 and bfloat16 (test_rms_norm_rounds_like_hf).
+    The weight is applied outside: ``F.rms_norm`` with it multiplies before the rounding.
+    """
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
 
 
 class RMSNorm(nn.Module):

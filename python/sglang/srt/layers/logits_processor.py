@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.layers.linear import linear
 from sglang.srt.layers.sampler import row_logsumexp
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
@@ -38,7 +38,7 @@ class LogitsProcessor(nn.Module):
         super().__init__()
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         # The product used for logits; deterministic mode swaps in a batch-invariant one.
-        self.linear_fn = F.linear
+        self.linear_fn = linear
         # log Z of prompt-logprob rows: the model runner sets the sampling backend's own
         # (get_logsumexp), so that prompt logprobs equal decode logprobs bit for bit.
         self.logsumexp_fn = row_logsumexp

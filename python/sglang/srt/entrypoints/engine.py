@@ -44,7 +44,6 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightFromDiskReqInput,
     UpdateWeightVersionReqInput,
 )
-from sglang.srt.managers.memory_occupation import resolve_tags
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils import kill_process_tree
@@ -63,7 +62,6 @@ async def _memory_call(
 ) -> dict[str, Any]:
     """Release (or resume) memory through ``manager``; the reply as a dict. ValueError for bad
     tags (before anything is sent), RuntimeError when the scheduler refuses."""
-    resolve_tags(tags)
     if release:
         out = await manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags))
     else:

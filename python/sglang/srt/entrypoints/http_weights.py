@@ -29,7 +29,6 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightFromDiskReqInput,
     UpdateWeightVersionReqInput,
 )
-from sglang.srt.managers.memory_occupation import resolve_tags
 
 router = APIRouter()
 
@@ -104,8 +103,7 @@ async def release_memory_occupation(
 ) -> Response:
     """Free the KV cache and/or weights until resumed; 400 for an unknown tag or while a
     request holds KV."""
-    tags = (body or MemoryOccupationBody()).tags
-    resolve_tags(tags)  # ValueError -> 400 before anything is sent
+    tags = (body or MemoryOccupationBody()).tags  # a bad tag: ValueError -> 400
     out = await _tm(request).release_memory_occupation(ReleaseMemoryOccupationReqInput(tags))
     return _memory_reply(out)
 
@@ -116,7 +114,6 @@ async def resume_memory_occupation(
 ) -> Response:
     """Allocate the released memory of ``tags`` again (weights reloaded from their checkpoint)."""
     tags = (body or MemoryOccupationBody()).tags
-    resolve_tags(tags)
     out = await _tm(request).resume_memory_occupation(ResumeMemoryOccupationReqInput(tags))
     return _memory_reply(out)
 

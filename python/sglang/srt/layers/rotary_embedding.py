@@ -177,8 +177,7 @@ class RotaryEmbedding(nn.Module):
         Returns new tensors of the same shapes and dtypes (math in float32); inputs are not
         modified. Precondition: every position is in ``[0, max_position)``.
         """
-        cos, sin = self._cos_sin_at(positions)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return self.rotate(positions, q), self.rotate(positions, k)
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ``[T, n*D]`` (any number of heads, e.g. q and k side by side) in one

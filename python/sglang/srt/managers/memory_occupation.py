@@ -74,8 +74,8 @@ class MemoryOccupation:
             tags = resolve_tags(recv.tags)
         except ValueError as e:
             return ReleaseMemoryOccupationReqOutput(False, str(e), self._state(), recv.req_id)
-        if sched.has_kv_holders():
-            holders = len(sched.running_batch) + (sched.chunked_req is not None)
+        holders = sched.num_kv_holders()
+        if holders:
             message = (
                 f"{holders} request(s) hold KV cache (running or paused in place); pause with "
                 "mode 'retract' or 'abort' (or let them finish) before releasing memory"

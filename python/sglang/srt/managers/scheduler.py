@@ -361,7 +361,7 @@ class Scheduler:
     def flush_cache(self) -> FlushCacheReqOutput:
         """Reset every KV structure. Refused while a request holds KV (running, chunked);
         waiting requests (new, or retracted by a pause) hold none and stay queued."""
-        holders = len(self.running_batch) + (self.chunked_req is not None)
+        holders = self.num_kv_holders()
         if holders:
             return FlushCacheReqOutput(
                 success=False,
@@ -440,8 +440,12 @@ class Scheduler:
             logger.warning("Pause lease expired after the trainer's timeout; continuing")
             self.pause = None
 
+    def num_kv_holders(self) -> int:
+        """Requests holding KV: running (paused in place included) and the chunked one."""
+        return len(self.running_batch) + (self.chunked_req is not None)
+
     def has_kv_holders(self) -> bool:
-        return not self.running_batch.is_empty() or self.chunked_req is not None
+        return self.num_kv_holders() > 0
 
     def handle_continue(self, recv: ContinueGenerationReqInput) -> ContinueGenerationReqOutput:
         was_paused = self.pause is not None

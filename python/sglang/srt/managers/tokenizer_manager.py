@@ -52,6 +52,7 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightVersionReqInput,
     UpdateWeightVersionReqOutput,
 )
+from sglang.srt.managers.memory_occupation import resolve_tags
 from sglang.srt.managers.request_validation import RequestLimits, validate_request
 from sglang.srt.managers.tokenizer_req_state import ReqState
 from sglang.srt.server_args import PortArgs, ServerArgs
@@ -416,12 +417,14 @@ class TokenizerManager:
         self, obj: ReleaseMemoryOccupationReqInput
     ) -> ReleaseMemoryOccupationReqOutput:
         """Free the scheduler's KV cache and/or weights until resumed (refused while a request
-        holds KV)."""
+        holds KV). ValueError for bad tags, before anything is sent."""
+        resolve_tags(obj.tags)
         return self._note_memory(await self._control(obj))
 
     async def resume_memory_occupation(
         self, obj: ResumeMemoryOccupationReqInput
     ) -> ResumeMemoryOccupationReqOutput:
+        resolve_tags(obj.tags)
         return self._note_memory(await self._control(obj))
 
     def _note_memory(self, out: Any) -> Any:

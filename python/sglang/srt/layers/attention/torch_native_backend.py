@@ -220,13 +220,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         for step in plan.steps:
             keys, values = self._mirror.keys_values(layer.layer_id, step)
             step_q = q if step.batch_rows is None else q.index_select(0, step.batch_rows)
-            step_out = F.scaled_dot_product_attention(
-                step_q.reshape(step.num_rows, layer.num_kv_heads, -1, layer.head_dim),
-                keys.to(q.dtype),
-                values.to(q.dtype),
-                attn_mask=step.mask,
-                scale=layer.scaling,
-            ).reshape(step.num_rows, -1)
+            step_out = _sdpa_decode(step_q, keys, values, step.mask, layer)
             if step.batch_rows is None:  # the whole batch, in batch order
                 return step_out
             if out is None:
@@ -250,14 +244,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         else:
             keys = k_cache.index_select(0, group.slot_ids).view(kv_shape).transpose(1, 2)
             values = v_cache.index_select(0, group.slot_ids).view(kv_shape).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.reshape(batch_size, num_kv_heads, -1, head_dim),
-            keys.to(q.dtype),
-            values.to(q.dtype),
-            attn_mask=group.mask,
-            scale=layer.scaling,
-        )
-        return out.reshape(batch_size, -1)
+        return _sdpa_decode(q, keys, values, group.mask, layer)
 
     def forward_extend(
         self,
@@ -290,3 +277,23 @@ class TorchNativeAttnBackend(AttentionBackend):
             )
             out[seg.q_start : seg.q_end] = seg_out.squeeze(0).transpose(0, 1)
         return out.view(-1, layer.num_heads * layer.head_dim)
+
+
+def _sdpa_decode(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    layer: RadixAttention,
+) -> torch.Tensor:
+    """One decode SDPA call: ``q`` [b, H*D] with its G query heads per KV head folded into the
+    query axis, ``keys``/``values`` [b, KVH, len, D]; returns [b, H*D]."""
+    batch_size = q.shape[0]
+    out = F.scaled_dot_product_attention(
+        q.reshape(batch_size, layer.num_kv_heads, -1, layer.head_dim),
+        keys.to(q.dtype),
+        values.to(q.dtype),
+        attn_mask=mask,
+        scale=layer.scaling,
+    )
+    return out.reshape(batch_size, -1)

@@ -164,6 +164,12 @@ def test_smollm2_answers_paris(smollm2_dir) -> None:
 def test_bad_arguments_raise_clear_errors(tiny_model_dir, tmp_path: Path) -> None:
     with pytest.raises(Exception, match="does not exist|not found|No such"):
         sgl.Engine(model_path=str(tmp_path / "missing"))
+    # a child that fails on its own (here the detokenizer's tokenizer) reports its cause, not
+    # merely that it exited, whichever child process dies first
+    with pytest.raises(RuntimeError, match="tokenizer path .*missing_tok.* does not exist"):
+        sgl.Engine(
+            model_path=str(tiny_model_dir("llama")), tokenizer_path=str(tmp_path / "missing_tok")
+        )
     bad = tmp_path / "bad"
     bad.mkdir()
     config = json.loads((tiny_model_dir("llama") / "config.json").read_text())

@@ -27,6 +27,7 @@ import shutil
 import threading
 import weakref
 from collections.abc import AsyncIterator, Coroutine, Iterator
+from multiprocessing import connection as mp_connection
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -88,30 +89,29 @@ def launch_engine_processes(
 
     Returns the manager (not started: call its ``start()`` inside the loop that will own it),
     the scheduler's ready info, and the child processes (the manager already watches them).
-    Raises RuntimeError with the scheduler's message when it fails to start; no child process
-    is left running in that case.
+    Raises RuntimeError with the failing child's own message when either fails to start; no
+    child process is left running in that case.
     """
     port_args = PortArgs.init_new()
     ctx = mp.get_context("spawn")
-    reader, writer = ctx.Pipe(duplex=False)
+    children = (
+        ("scheduler", _run_scheduler_child),
+        ("detokenizer", run_detokenizer_process),
+    )
     procs: list[mp.Process] = []
+    readers: dict[Connection, mp.Process] = {}
     try:
-        scheduler = ctx.Process(
-            target=_run_scheduler_child,
-            args=(server_args, port_args, writer),
-            name="sglang-scheduler",
-        )
-        scheduler.start()
-        procs.append(scheduler)
-        writer.close()  # the child's copy stays open: EOF on the reader means it died
-        detokenizer = ctx.Process(
-            target=run_detokenizer_process,
-            args=(server_args, port_args),
-            name="sglang-detokenizer",
-        )
-        detokenizer.start()
-        procs.append(detokenizer)
-        scheduler_info = _wait_for_ready(reader, procs)
+        for name, target in children:
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=target, args=(server_args, port_args, writer), name=f"sglang-{name}"
+            )
+            proc.start()
+            writer.close()  # the child's copy stays open: EOF on the reader means it died
+            procs.append(proc)
+            readers[reader] = proc
+        ready = _wait_for_ready(readers)
+        scheduler_info = ready[procs[0]]
         tokenizer_manager = TokenizerManager(server_args, port_args, scheduler_info)
         tokenizer_manager.watch_processes(procs)
     except BaseException:
@@ -119,29 +119,34 @@ def launch_engine_processes(
         _remove_ipc_dir(port_args)
         raise
     finally:
-        writer.close()
-        reader.close()
+        for reader in readers:
+            reader.close()
     return tokenizer_manager, scheduler_info, procs
 
 
-def _wait_for_ready(reader: Connection, procs: list[mp.Process]) -> dict:
-    """The scheduler's ready message without its "status"; RuntimeError on error or exit."""
-    while not reader.poll(_READY_POLL_S):
-        for proc in procs:
-            if not proc.is_alive():
+def _wait_for_ready(readers: dict[Connection, mp.Process]) -> dict[mp.Process, dict]:
+    """Each child's ready message (without its "status"), keyed by process.
+
+    Raises RuntimeError with the first error a child reports, or naming the child that exited
+    without reporting. Every child reports through its own pipe, so the cause named is the
+    failing child's own message whichever process happens to exit first.
+    """
+    pending = dict(readers)
+    ready: dict[mp.Process, dict] = {}
+    while pending:
+        for reader in mp_connection.wait(list(pending), timeout=_READY_POLL_S):
+            proc = pending.pop(reader)
+            try:
+                msg = reader.recv()
+            except EOFError:
+                proc.join(_SHUTDOWN_STEP_TIMEOUT_S)
                 raise RuntimeError(
-                    f"{proc.name} exited with code {proc.exitcode} before the engine was ready"
-                )
-    try:
-        msg = reader.recv()
-    except EOFError:
-        procs[0].join(_SHUTDOWN_STEP_TIMEOUT_S)
-        raise RuntimeError(
-            f"The scheduler exited with code {procs[0].exitcode} before reporting ready"
-        ) from None
-    if msg.get("status") != "ready":
-        raise RuntimeError(f"The scheduler failed to start: {msg.get('message')}")
-    return {k: v for k, v in msg.items() if k != "status"}
+                    f"{proc.name} exited with code {proc.exitcode} before reporting ready"
+                ) from None
+            if msg.get("status") != "ready":
+                raise RuntimeError(f"{proc.name} failed to start: {msg.get('message')}")
+            ready[proc] = {k: v for k, v in msg.items() if k != "status"}
+    return ready
 
 
 def _kill_processes(procs: list[mp.Process]) -> None:

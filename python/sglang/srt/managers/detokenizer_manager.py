@@ -25,6 +25,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 
 import zmq
@@ -208,24 +209,40 @@ def exit_when_parent_dies(poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs) -> None:
+def run_detokenizer_process(
+    server_args: ServerArgs, port_args: PortArgs, pipe_writer: Connection
+) -> None:
     """Entry point of the detokenizer subprocess; runs until killed.
 
     PULL binds ``port_args.detokenizer_ipc_name`` (from the scheduler) and PUSH connects to
-    ``port_args.tokenizer_ipc_name`` (the TokenizerManager). An exception is logged and ends
-    the process with a non-zero code, which the TokenizerManager's liveness check reports.
+    ``port_args.tokenizer_ipc_name`` (the TokenizerManager). Once the tokenizer is loaded it
+    sends ``{"status": "ready"}`` through ``pipe_writer``; a failure before that is sent as
+    ``{"status": "error", "message": ...}`` so that the launcher reports the cause itself. A
+    later exception is logged and ends the process with a non-zero code, which the
+    TokenizerManager's liveness check reports.
     """
     configure_logger(server_args.log_level, prefix=" Detokenizer")
     exit_when_parent_dies()
     from sglang.srt.hf_transformers_utils import get_tokenizer
 
     context = zmq.Context(2)
-    recv_socket = get_zmq_socket(context, zmq.PULL, port_args.detokenizer_ipc_name, bind=True)
-    send_socket = get_zmq_socket(context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False)
     try:
+        recv_socket = get_zmq_socket(
+            context, zmq.PULL, port_args.detokenizer_ipc_name, bind=True
+        )
+        send_socket = get_zmq_socket(
+            context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False
+        )
         tokenizer = None
         if not server_args.skip_tokenizer_init:
             tokenizer = get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
+    except Exception as e:  # reported to the launcher verbatim, like the scheduler's
+        logger.exception("Detokenizer failed to start")
+        pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        return
+    pipe_writer.send({"status": "ready"})
+    pipe_writer.close()
+    try:
         DetokenizerManager(tokenizer).event_loop(recv_socket, send_socket)
     except Exception:
         logger.exception("Detokenizer failed")

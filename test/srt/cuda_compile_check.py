@@ -44,7 +44,7 @@ def main(capability: int) -> None:
         options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
         ptr = "*" + _DTYPES[dtype]
         types = {"a_ptr": ptr, "b_ptr": ptr, "c_ptr": ptr, "bias_ptr": ptr}
-        consts = {"HAS_BIAS": True, "IEEE": dtype == torch.float32, "UPCAST": False,
+        consts = {"HAS_BIAS": True, "IEEE": dtype == torch.float32, "INTERPRETED": False,
                   "GROUP_M": bi._GROUP_M, **config}  # fmt: skip
         _compile(target, bi._matmul_kernel, types, consts, **options)
     for dtype in (torch.float32, torch.bfloat16):

@@ -44,7 +44,7 @@ _ATTN_TILE_ELEMENTS = 8192
 def _matmul_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """C = A @ B.T (+ bias) for A [M, K] and B [N, K]; one output tile per program."""
@@ -67,9 +67,13 @@ def _matmul_kernel(
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_n[None, :] < N) & (offs_k[:, None] < k_left), other=0.0)
-        if UPCAST:  # the interpreter's 16-bit tl.dot is wrong; the products are exact in fp32
+        if INTERPRETED:
+            # The interpreter's tl.dot is a BLAS call whose rounding depends on where a row
+            # sits in the tile (and its 16-bit dot is wrong): an explicit float32 product and
+            # sum give every row the same reduction order, as the compiled kernel does.
             a, b = a.to(tl.float32), b.to(tl.float32)
-        if IEEE:
+            acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+        elif IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
@@ -104,7 +108,7 @@ def matmul_batch_invariant(
         a, weight, out, bias if bias is not None else out, m, n, k,
         a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        UPCAST=x.device.type == "cpu", GROUP_M=_GROUP_M, **config,
+        INTERPRETED=x.device.type == "cpu", GROUP_M=_GROUP_M, **config,
     )  # fmt: skip
     return out.reshape(*lead, n)
 

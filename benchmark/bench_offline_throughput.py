@@ -42,6 +42,7 @@ def run_engine(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> t
         random_seed=0,
         log_level="warning",
         enable_deterministic_inference=args.deterministic,
+        attention_backend=args.attention_backend,
     )
     try:
         params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
@@ -116,6 +117,12 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--batch1-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=["torch_native", "triton"],
+        help="the engine's attention kernel (default: the engine's default for the device)",
+    )
 
 
 def main() -> None:

@@ -17,6 +17,11 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 PAGE_SIZE = 1
+# Triton kernel tests run on the GPU when there is one, else in Triton's CPU interpreter.
+TEST_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Engine kwargs for tests that hold two engines at once: on a GPU each takes 85% of the device by
+# default, so the second would find no room for its KV cache.
+TWO_ENGINE_KW: dict = {"mem_fraction_static": 0.4} if TEST_DEVICE == "cuda" else {}
 
 
 class BatchBuilder:
@@ -35,11 +40,13 @@ class BatchBuilder:
         max_context_len: int = 512,
         seed: int = 0,
         backend_name: str = "torch_native",
+        device: str = "cpu",
     ) -> None:
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
-        self.req_to_token_pool = ReqToTokenPool(max_reqs, max_context_len, "cpu")
+        self.device = device
+        self.req_to_token_pool = ReqToTokenPool(max_reqs, max_context_len, device)
         self.kv_pool = MHATokenToKVPool(
             num_slots,
             PAGE_SIZE,
@@ -47,18 +54,18 @@ class BatchBuilder:
             config.num_key_value_heads,
             head_dim,
             config.num_hidden_layers,
-            "cpu",
+            device,
         )
         gen = torch.Generator().manual_seed(seed)
         self._free_slots = (torch.randperm(num_slots, generator=gen) + PAGE_SIZE).tolist()
         self.rows: dict[str, int] = {}
         self.seq_lens: dict[str, int] = {}
-        self.backend = get_attention_backend_class(backend_name)()
+        self.backend = get_attention_backend_class(backend_name)(device)
 
     def _alloc_slots(self, num_tokens: int) -> torch.Tensor:
         slots, self._free_slots = self._free_slots[:num_tokens], self._free_slots[num_tokens:]
         assert len(slots) == num_tokens, "test KV pool exhausted"
-        return torch.tensor(slots, dtype=torch.int64)
+        return torch.tensor(slots, dtype=torch.int64, device=self.device)
 
     def _build(self, mode: ForwardMode, reqs: list[tuple[str, list[int]]]) -> ForwardBatch:
         input_ids, positions, out_cache_loc, rows = [], [], [], []
@@ -81,11 +88,11 @@ class BatchBuilder:
         return ForwardBatch(
             forward_mode=mode,
             batch_size=len(reqs),
-            input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
             out_cache_loc=torch.cat(out_cache_loc),
-            req_pool_indices=torch.tensor(rows, dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
             seq_lens_cpu=seq_lens,
             extend_seq_lens_cpu=new_lens,
             extend_prefix_lens_cpu=prefix_lens,

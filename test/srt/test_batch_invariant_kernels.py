@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from model_test_utils import BatchBuilder, hf_greedy, load_from_hf
+from model_test_utils import TEST_DEVICE, BatchBuilder, hf_greedy, load_from_hf
 from test_determinism import assert_prefill_logprobs_equal_decode
 from test_entropy_kernel import make_info
 from test_models import PROMPTS, make_hf_model
@@ -44,9 +44,9 @@ def _tol(dtype: torch.dtype) -> dict:
 def test_matmul_matches_linear_and_rows_are_invariant(dtype, with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     # K and N not multiples of the tiles: the masked edges are exercised.
-    weight = torch.randn(150, 90, generator=gen).to(dtype)
-    bias = torch.randn(150, generator=gen).to(dtype) if with_bias else None
-    x = torch.randn(70, 90, generator=gen).to(dtype)
+    weight = torch.randn(150, 90, generator=gen).to(TEST_DEVICE, dtype)
+    bias = torch.randn(150, generator=gen).to(TEST_DEVICE, dtype) if with_bias else None
+    x = torch.randn(70, 90, generator=gen).to(TEST_DEVICE, dtype)
     full = matmul_batch_invariant(x, weight, bias)
     assert full.dtype == dtype and full.shape == (70, 150)
     expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
@@ -61,14 +61,17 @@ def test_matmul_matches_linear_and_rows_are_invariant(dtype, with_bias: bool) ->
 
 def test_matmul_refuses_mixed_dtypes() -> None:
     with pytest.raises(ValueError, match="unsupported dtypes"):
-        matmul_batch_invariant(torch.randn(2, 4), torch.randn(3, 4, dtype=torch.bfloat16))
+        matmul_batch_invariant(
+            torch.randn(2, 4, device=TEST_DEVICE),
+            torch.randn(3, 4, dtype=torch.bfloat16, device=TEST_DEVICE),
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_matches_torch_and_rows_are_invariant(dtype) -> None:
     gen = torch.Generator().manual_seed(1)
-    x = (torch.randn(9, 3, 48, generator=gen) * 3).to(dtype)
-    weight = (1 + torch.randn(48, generator=gen) * 0.1).to(dtype)
+    x = (torch.randn(9, 3, 48, generator=gen) * 3).to(TEST_DEVICE, dtype)
+    weight = (1 + torch.randn(48, generator=gen) * 0.1).to(TEST_DEVICE, dtype)
     out = rms_norm_batch_invariant(x, weight, 1e-6)
     assert out.shape == x.shape and out.dtype == dtype
     torch.testing.assert_close(out.float(), rms_norm(x, weight, 1e-6).float(), **_tol(dtype))
@@ -89,7 +92,8 @@ def _paged_case(num_heads: int, num_kv_heads: int, dtype: torch.dtype, seed: int
     pool_rows = torch.tensor([1] * 21 + [3] * 40)
     positions = torch.cat([torch.arange(21), torch.arange(40)])
     q = torch.randn(61, num_heads, head_dim, generator=gen).to(dtype)
-    return q, k_cache, v_cache, table, pool_rows, positions, lens
+    tensors = (q, k_cache, v_cache, table, pool_rows, positions)
+    return *(t.to(TEST_DEVICE) for t in tensors), lens
 
 
 @pytest.mark.parametrize(
@@ -138,11 +142,12 @@ def test_triton_logsumexp_is_the_samplers_log_z() -> None:
     """Greedy rows at temperature 1: the fused sampler's chosen logprob is exactly
     logit - row_logsumexp_triton, whatever the batch (prefill/decode logprob consistency)."""
     gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(5, 1000, generator=gen) * 4
+    logits = (torch.randn(5, 1000, generator=gen) * 4).to(TEST_DEVICE)
     log_z = row_logsumexp_triton(logits)
     torch.testing.assert_close(log_z, torch.logsumexp(logits, -1), atol=1e-5, rtol=1e-5)
     assert torch.equal(row_logsumexp_triton(logits[2:3]), log_z[2:3])
-    out = sample_triton(logits, make_info([{"temperature": 0}] * 5, 1000), True, None)
+    info = make_info([{"temperature": 0}] * 5, 1000)
+    out = sample_triton(logits, info, True, None)
     chosen = logits.gather(1, out.next_token_ids[:, None]).squeeze(1)
     assert torch.equal(out.logprobs, chosen - log_z)
 
@@ -152,8 +157,9 @@ def test_model_on_the_triton_path_matches_hf(arch: str) -> None:
     """Triton attention + batch-invariant Triton matmul and RMSNorm through a whole model."""
     hf_model = make_hf_model(arch)
     model = load_from_hf(get_model_class(hf_model.config.architectures), hf_model)
+    model.to(TEST_DEVICE)
     assert enable_batch_invariant_mode(model, "triton") > 0
-    builder = BatchBuilder(model.config, backend_name="triton")
+    builder = BatchBuilder(model.config, backend_name="triton", device=TEST_DEVICE)
     rids = [f"r{i}" for i in range(len(PROMPTS))]
     out = builder.run(model, builder.extend(list(zip(rids, PROMPTS))))
     tokens = [[int(t)] for t in out.next_token_logits.argmax(-1)]
@@ -181,6 +187,7 @@ def triton_engine(tiny_model_dir):
         enable_deterministic_inference=True,
         attention_backend="triton",
         sampling_backend="triton",
+        device=TEST_DEVICE,
         random_seed=0,
         log_level="warning",
     ) as engine:

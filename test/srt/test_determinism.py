@@ -7,6 +7,7 @@ import random
 from collections.abc import Iterator
 
 import pytest
+from model_test_utils import TWO_ENGINE_KW
 
 import sglang as sgl
 
@@ -43,7 +44,10 @@ def _run(engine: sgl.Engine, prompts: list[list[int]], params: dict | list[dict]
 
 def _engine(model_dir: object, **kw: object) -> sgl.Engine:
     return sgl.Engine(
-        model_path=str(model_dir), enable_deterministic_inference=True, random_seed=0, **kw
+        model_path=str(model_dir),
+        enable_deterministic_inference=True,
+        random_seed=0,
+        **{**TWO_ENGINE_KW, **kw},
     )
 
 

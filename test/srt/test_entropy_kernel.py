@@ -1,5 +1,6 @@
-"""Fused Triton sampling kernel vs the torch reference (TRITON_INTERPRET=1 on CPU), entropy
-definitions and bounds, the sampling-backend registry and the entropy flags of ServerArgs."""
+"""Fused Triton sampling kernel vs the torch reference (on the GPU when there is one, else
+under TRITON_INTERPRET=1 on CPU), entropy definitions and bounds, the sampling-backend registry
+and the entropy flags of ServerArgs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from model_test_utils import TEST_DEVICE
 
 from sgl_kernel.sampling_reference import SampleOutput, gumbel_noise, sample_reference
 from sglang.srt.layers.sampler import SAMPLING_BACKENDS, Sampler, get_sampling_backend
@@ -25,15 +27,19 @@ NEG_INF = float("-inf")
 
 @pytest.fixture(scope="module")
 def kernel() -> Iterator[ModuleType]:
-    """sgl_kernel.sampling with its kernels built for Triton's CPU interpreter.
+    """sgl_kernel.sampling: its kernels compiled for the GPU when there is one, else built for
+    Triton's CPU interpreter.
 
-    Triton decides at decoration time whether a kernel is interpreted, so the module is
+    Triton decides at decoration time whether a kernel is interpreted, so on CPU the module is
     (re)imported with TRITON_INTERPRET=1 set; the variable is restored afterwards.
     """
+    name = "sgl_kernel.sampling"
+    if TEST_DEVICE == "cuda":
+        yield importlib.import_module(name)
+        return
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        name = "sgl_kernel.sampling"
         module = importlib.reload(sys.modules[name]) if name in sys.modules else None
         yield module or importlib.import_module(name)
     finally:
@@ -59,7 +65,12 @@ def make_info(
         FakeReq(SamplingParams(**p), sampling_seed=7919 * i + 5, origin_input_ids=range(3 + i))
         for i, p in enumerate(params)
     ]
-    return SamplingBatchInfo.from_reqs(reqs, vocab, "cpu", entropy)
+    return SamplingBatchInfo.from_reqs(reqs, vocab, TEST_DEVICE, entropy)
+
+
+def on_device(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (built on CPU, where torch.Generator draws reproducibly) on TEST_DEVICE."""
+    return tensor.to(TEST_DEVICE)
 
 
 def run_both(
@@ -121,7 +132,7 @@ def test_kernel_matches_reference(kernel, dtype: torch.dtype, vocab: int, num_ro
     gen = torch.Generator().manual_seed(vocab + num_rows)
     params = [TRUNCATIONS[(i * 7 + 4) % len(TRUNCATIONS)] for i in range(num_rows)]
     specs = [ENTROPY_SPECS[(i * 3 + vocab) % len(ENTROPY_SPECS)] for i in range(num_rows)]
-    logits = special_rows(num_rows, vocab, gen).to(dtype)
+    logits = on_device(special_rows(num_rows, vocab, gen).to(dtype))
     got, want = run_both(kernel, logits, make_info(params, vocab, specs))
     assert_same(got, want)
     assert got.entropies is not None and bool(torch.isfinite(got.entropies).all())
@@ -129,7 +140,7 @@ def test_kernel_matches_reference(kernel, dtype: torch.dtype, vocab: int, num_ro
 
 def test_kernel_reads_any_row_stride_and_skips_entropy_when_unasked(kernel):
     gen = torch.Generator().manual_seed(3)
-    wide = torch.randn(6, 700, generator=gen) * 2
+    wide = on_device(torch.randn(6, 700, generator=gen) * 2)
     logits = wide[:, :613]  # row stride 700, not contiguous
     info = make_info(TRUNCATIONS[2:8], 613)
     got, want = run_both(kernel, logits, info)
@@ -145,7 +156,7 @@ def test_uniform_rows_follow_the_noise_alone(kernel):
     # that differs between kernel and reference shows up here.
     vocab, num_rows = 3000, 24
     info = make_info([{"temperature": 1.0}] * num_rows, vocab)
-    got = kernel.sample_triton(torch.zeros(num_rows, vocab), info, False, None, None)
+    got = kernel.sample_triton(on_device(torch.zeros(num_rows, vocab)), info, False, None, None)
     noise = gumbel_noise(info.seeds, info.positions, vocab)
     assert got.next_token_ids.tolist() == noise.argmax(dim=-1).tolist()
 
@@ -156,10 +167,9 @@ def test_chi_square_of_kernel_samples(kernel):
     row = torch.tensor([math.log(probs[v]) for v in range(8)])
     num_samples = 300
     info = make_info([{"temperature": 1.0, "min_p": 0.3}] * num_samples, 8)
-    counts = torch.bincount(
-        kernel.sample_triton(row.repeat(num_samples, 1), info, False, None, None).next_token_ids,
-        minlength=8,
-    )
+    logits = on_device(row.repeat(num_samples, 1))
+    tokens = kernel.sample_triton(logits, info, False, None, None).next_token_ids
+    counts = torch.bincount(tokens.cpu(), minlength=8)
     assert set(counts.nonzero().squeeze(1).tolist()) == {1, 4, 6}
     kept = torch.tensor([probs[v] if v in (1, 4, 6) else 0.0 for v in range(8)])
     chi2_truncated = _chi_square(counts, kept / kept.sum())
@@ -195,7 +205,7 @@ def test_entropy_definitions(kernel, backend: str):
     specs = [("raw", 0), ("scaled", 0), ("sampled", 0), ("raw", 12), ("scaled", 12), ("sampled", 9)]
     info = make_info(params, vocab, specs)
     sample = kernel.sample_triton if backend == "kernel" else sample_reference
-    got = sample(logits, info, False, None, info.entropy_plan("raw", 0)).entropies
+    got = sample(on_device(logits), info, False, None, info.entropy_plan("raw", 0)).entropies
     x = logits[0].double()
     scaled = (logits[0] / 0.7).double()
     sorted_scaled = scaled.sort(descending=True).values
@@ -218,7 +228,7 @@ def test_entropy_definitions(kernel, backend: str):
 def test_entropy_bounds_and_special_rows(kernel):
     vocab = 1000
     gen = torch.Generator().manual_seed(5)
-    logits = torch.cat([special_rows(6, vocab, gen)] * 3)
+    logits = on_device(torch.cat([special_rows(6, vocab, gen)] * 3))
     specs = [("raw", 0)] * 6 + [("scaled", 16)] * 6 + [("sampled", 0)] * 6
     params = ([{"temperature": 1.5}] * 6) + ([{"temperature": 0.5, "top_p": 0.9}] * 12)
     info = make_info(params, vocab, specs)
@@ -242,7 +252,7 @@ def assert_same_tokens_and_entropy(got: SampleOutput, want: SampleOutput) -> Non
 
 def test_top_k_entropy_counts_boundary_ties_as_topk_does(kernel):
     # K = 2 over 3, 2, 2, 2, 1: the multiset {3, 2}, as torch.topk returns it.
-    logits = torch.tensor([[2.0, 3.0, 2.0, 1.0, 2.0]] * 2)
+    logits = on_device(torch.tensor([[2.0, 3.0, 2.0, 1.0, 2.0]] * 2))
     info = make_info([{"temperature": 1.0}, {"temperature": 0.0}], 5, [("raw", 2), ("sampled", 2)])
     got, want = run_both(kernel, logits, info)
     assert_same(got, want)
@@ -252,7 +262,7 @@ def test_top_k_entropy_counts_boundary_ties_as_topk_does(kernel):
 
 def test_entropy_does_not_change_tokens_or_logprobs(kernel):
     gen = torch.Generator().manual_seed(8)
-    logits = torch.randn(len(TRUNCATIONS), 500, generator=gen) * 2
+    logits = on_device(torch.randn(len(TRUNCATIONS), 500, generator=gen) * 2)
     plain = make_info(TRUNCATIONS, 500)
     with_entropy = make_info(TRUNCATIONS, 500, [("sampled", 0)] * len(TRUNCATIONS))
     for sample in (kernel.sample_triton, sample_reference):
@@ -287,10 +297,11 @@ def test_backend_registry(kernel):
     with pytest.raises(ValueError, match="entropy mode"):
         Sampler("pytorch", entropy_mode="exact")
     info = make_info(TRUNCATIONS, 64, [(None, None)] * len(TRUNCATIONS))
-    logits = torch.randn(len(TRUNCATIONS), 64, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(1)
+    logits = on_device(torch.randn(len(TRUNCATIONS), 64, generator=gen))
     outs = [Sampler(name, "scaled").forward(logits, info, True, [2] * 11) for name in ("pytorch",)]
-    outs.append(SampleOutput(*kernel.sample_triton(logits, info, True, [2] * 11,
-                                                   info.entropy_plan("scaled", 0))))
+    plan = info.entropy_plan("scaled", 0)
+    outs.append(SampleOutput(*kernel.sample_triton(logits, info, True, [2] * 11, plan)))
     assert_same(outs[1], outs[0])
     torch.testing.assert_close(outs[1].top_logprobs_val, outs[0].top_logprobs_val)
     assert outs[1].top_logprobs_idx.tolist() == outs[0].top_logprobs_idx.tolist()

@@ -78,6 +78,10 @@ def test_defaults() -> None:
     assert (args.host, args.port) == ("127.0.0.1", 30000)
     assert args.served_model_name == "m" and args.tokenizer_path == "m"
     assert args.api_key is None and not args.enable_metrics
+    assert (args.attention_backend, args.sampling_backend) == ("torch_native", "pytorch")
+    # on CUDA the paged Triton attention kernel and the fused Triton sampler
+    cuda = parse_server_args(["--model-path", "m", "--device", "cuda"])
+    assert (cuda.attention_backend, cuda.sampling_backend) == ("triton", "triton")
 
 
 @pytest.mark.parametrize("argv, needle", [

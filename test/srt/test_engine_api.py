@@ -39,6 +39,10 @@ def _running_rids(engine: sgl.Engine) -> list[str]:
     return engine.get_server_info()["internal_states"][0]["running_batch_rids"]
 
 
+def _queued_rids(engine: sgl.Engine) -> list[str]:
+    return engine.get_server_info()["internal_states"][0]["waiting_queue_rids"]
+
+
 def _child_pids() -> set[int]:
     """Live children of this process, minus multiprocessing's resource tracker."""
     pids = set()
@@ -180,8 +184,11 @@ def test_dead_scheduler_and_shutdown(tiny_model_dir) -> None:
 
     worker = threading.Thread(target=run)
     try:
+        # Paused, the request waits in the scheduler's queue: it cannot finish before the kill
+        # however fast this host decodes.
+        eng.pause_generation(mode="in_place")
         worker.start()
-        _wait_until(lambda: "doomed" in _running_rids(eng))
+        _wait_until(lambda: "doomed" in _queued_rids(eng))
         os.kill(pids[0], signal.SIGKILL)
         worker.join(10)
         assert not worker.is_alive()

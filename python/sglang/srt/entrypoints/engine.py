@@ -76,8 +76,11 @@ def _run_scheduler_child(
     server_args: ServerArgs, port_args: PortArgs, pipe_writer: Connection
 ) -> None:
     """Entry of the scheduler process: it follows the launcher's death, then runs."""
+    from sglang.srt.layers.batch_invariant import pin_cpu_blas_numerics
     from sglang.srt.managers.scheduler import run_scheduler_process
 
+    if server_args.enable_deterministic_inference:
+        pin_cpu_blas_numerics()  # before the first GEMM of this process
     exit_when_parent_dies()
     run_scheduler_process(server_args, port_args, pipe_writer)
 

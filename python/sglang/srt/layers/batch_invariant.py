@@ -17,10 +17,25 @@ one-row-per-program RMSNorm (CUDA's own reductions pick their strategy from the 
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 ROW_BLOCK = 32
+MKL_STRICT_REPRODUCIBILITY = "AUTO,STRICT"
+
+
+def pin_cpu_blas_numerics() -> None:
+    """Put MKL in its strict Conditional Numerical Reproducibility mode (``MKL_CBWR``).
+
+    Without it MKL's float32 GEMM (under ``F.scaled_dot_product_attention`` and ``torch.mm`` on
+    CPU) rounds a row differently by the memory alignment of its operands and by how the work is
+    split between threads, so an attention query's bits would depend on its neighbours. MKL reads
+    the variable once, at its first call: this must run before the process computes anything
+    (the scheduler process calls it first thing). A value the user set is kept.
+    """
+    os.environ.setdefault("MKL_CBWR", MKL_STRICT_REPRODUCIBILITY)
 
 
 def batch_invariant_linear(

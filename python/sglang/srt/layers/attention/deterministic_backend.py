@@ -11,8 +11,10 @@ The CPU SDPA kernel reduces over the key axis in a way that depends on the padde
 on the batch size, nor on what the other rows hold), so a fixed padded length per query is what
 makes its result bitwise reproducible. In float32 that holds only with MKL's strict
 reproducibility mode, which the scheduler process turns on in this mode
-(:func:`sglang.srt.layers.batch_invariant.pin_cpu_blas_numerics`). Prefill pays for it: each query attends over its whole
-bucket (about twice the causal work) in ``ceil(len / KEY_BLOCK)`` calls per request.
+(:func:`sglang.srt.layers.batch_invariant.pin_cpu_blas_numerics`).
+
+Prefill pays for it: each query attends over its whole bucket (about twice the causal work) in
+``ceil(len / KEY_BLOCK)`` calls per request.
 """
 
 from __future__ import annotations

@@ -42,15 +42,22 @@ def default_weight_loader(
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; a single bfloat16 row on CPU goes through ``torch.mv``.
+    """``F.linear(x, weight, bias)``; a single bfloat16 row without bias on CPU goes through
+    ``torch.mv``.
 
-    oneDNN's bfloat16 GEMM is slow for one row (batch-1 decode): ``mv``/``addmv`` are 1.3-1.6x
-    faster there (the LM head: 3.2 -> 2.0 ms on 2 cores) and give the same values (float32
-    accumulation, one rounding; bitwise equal on the Llama shapes, see test_linear_single_row).
+    oneDNN's bfloat16 GEMM is slow for one row (batch-1 decode): ``mv`` is 1.3-1.6x faster there
+    (the LM head: 3.2 -> 2.0 ms on 2 cores) and gives the same values (float32 accumulation, one
+    rounding; see test_linear_single_row). With a bias, whether F.linear rounds the product
+    before adding it depends on the CPU (AVX512-BF16 or not), so that case stays on F.linear.
     """
-    if x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        row = torch.mv(weight, x[0]) if bias is None else torch.addmv(bias, weight, x[0])
-        return row.unsqueeze(0)
+    if (
+        bias is None
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+    ):
+        return torch.mv(weight, x[0]).unsqueeze(0)
     return F.linear(x, weight, bias)
 
 

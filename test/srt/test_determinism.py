@@ -155,3 +155,16 @@ def test_smollm2_batch_and_decode_consistency(smollm2_dir) -> None:
             logprob_start_len=len(target),
         )
         assert [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"]] == alone[1]
+
+
+@pytest.mark.parametrize("name", ["greedy", "truncated"])
+def test_bfloat16_batch_invariance_and_decode_consistency(tiny_model_dir, name: str) -> None:
+    rng = random.Random(8)
+    target = _rand_prompt(rng, 37)
+    others = [_rand_prompt(rng, rng.randint(5, 120)) for _ in range(5)]
+    with _engine(tiny_model_dir("llama"), dtype="bfloat16") as eng:
+        alone = _run(eng, [target], _params(name, 12))[0]
+        for pos in (0, 3, 5):
+            batch = others[:pos] + [target] + others[pos:]
+            assert _run(eng, batch, _params(name, 12))[pos] == alone
+        assert_prefill_logprobs_equal_decode(eng, target, _params(name, 12))

@@ -188,7 +188,8 @@ def test_dead_scheduler_and_shutdown(tiny_model_dir) -> None:
         # however fast this host decodes.
         eng.pause_generation(mode="in_place")
         worker.start()
-        _wait_until(lambda: "doomed" in _queued_rids(eng))
+        _wait_until(lambda: errors or "doomed" in _queued_rids(eng))
+        assert not errors, errors
         os.kill(pids[0], signal.SIGKILL)
         worker.join(10)
         assert not worker.is_alive()

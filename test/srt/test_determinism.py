@@ -115,7 +115,7 @@ def assert_prefill_logprobs_equal_decode(engine: sgl.Engine, prompt: list[int], 
     assert [lp for lp, _, _ in prefill] == logprobs  # bitwise
 
 
-@pytest.mark.parametrize("name", ["greedy", "seeded"])
+@pytest.mark.parametrize("name", list(PARAM_SETS))
 def test_prefill_logprobs_equal_decode_logprobs(engine, name: str) -> None:
     assert_prefill_logprobs_equal_decode(engine, _rand_prompt(random.Random(4), 50), _params(name))
 

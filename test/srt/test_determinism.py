@@ -6,8 +6,10 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from model_test_utils import TWO_ENGINE_KW
+from server_test_utils import ServerProcess
 
 import sglang as sgl
 
@@ -168,3 +170,21 @@ def test_bfloat16_batch_invariance_and_decode_consistency(tiny_model_dir, name: 
             batch = others[:pos] + [target] + others[pos:]
             assert _run(eng, batch, _params(name, 12))[pos] == alone
         assert_prefill_logprobs_equal_decode(eng, target, _params(name, 12))
+
+
+def test_http_server_in_deterministic_mode(tiny_model_dir) -> None:
+    """Over HTTP: the flag is reported, and a seeded request gives the same tokens and logprobs
+    alone and inside a batch."""
+    rng = random.Random(9)
+    target = _rand_prompt(rng, 30)
+    batch = [_rand_prompt(rng, 50), target, _rand_prompt(rng, 7)]
+    body = {"sampling_params": _params("truncated", 10), "return_logprob": True}
+    with ServerProcess(tiny_model_dir("qwen3"), "--enable-deterministic-inference") as server:
+        info = httpx.get(server.url + "/get_server_info", timeout=30).json()
+        assert info["enable_deterministic_inference"] is True
+        alone = httpx.post(server.url + "/generate", json={**body, "input_ids": target},
+                           timeout=120).json()
+        outs = httpx.post(server.url + "/generate", json={**body, "input_ids": batch},
+                          timeout=120).json()
+    assert _tokens_and_logprobs(outs[1]) == _tokens_and_logprobs(alone)
+    assert len(alone["output_ids"]) == 10

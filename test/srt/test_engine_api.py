@@ -35,12 +35,10 @@ def _wait_until(predicate, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def _running_rids(engine: sgl.Engine) -> list[str]:
-    return engine.get_server_info()["internal_states"][0]["running_batch_rids"]
-
-
-def _queued_rids(engine: sgl.Engine) -> list[str]:
-    return engine.get_server_info()["internal_states"][0]["waiting_queue_rids"]
+def _rids(engine: sgl.Engine, where: str = "running_batch_rids") -> list[str]:
+    """The rids the scheduler holds in ``where`` (``running_batch_rids`` or
+    ``waiting_queue_rids``)."""
+    return engine.get_server_info()["internal_states"][0][where]
 
 
 def _child_pids() -> set[int]:
@@ -150,7 +148,7 @@ def test_blocking_generate_does_not_block_other_threads(engine: sgl.Engine) -> N
     worker = threading.Thread(target=lambda: result.update(engine.generate(
         input_ids=PROMPTS[0], sampling_params=LONG, rid="long")))
     worker.start()
-    _wait_until(lambda: "long" in _running_rids(engine))
+    _wait_until(lambda: "long" in _rids(engine))
     refused = engine.flush_cache()
     assert refused.success is False and refused.error_msg
     assert worker.is_alive()
@@ -166,7 +164,7 @@ def test_leaving_a_stream_early_aborts_it(engine: sgl.Engine) -> None:
     next(stream)
     stream.close()
     assert "left" not in engine.tokenizer_manager.rid_to_state
-    _wait_until(lambda: "left" not in _running_rids(engine), timeout=5)
+    _wait_until(lambda: "left" not in _rids(engine), timeout=5)
 
 
 def test_dead_scheduler_and_shutdown(tiny_model_dir) -> None:
@@ -188,7 +186,7 @@ def test_dead_scheduler_and_shutdown(tiny_model_dir) -> None:
         # however fast this host decodes.
         eng.pause_generation(mode="in_place")
         worker.start()
-        _wait_until(lambda: errors or "doomed" in _queued_rids(eng))
+        _wait_until(lambda: errors or "doomed" in _rids(eng, "waiting_queue_rids"))
         assert not errors, errors
         os.kill(pids[0], signal.SIGKILL)
         worker.join(10)

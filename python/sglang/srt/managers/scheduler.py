@@ -101,6 +101,8 @@ class Scheduler:
         self.cur_batch: ScheduleBatch | None = None
         self.last_batch: ScheduleBatch | None = None
         self.forward_ct_decode = 0
+        # Loop turns completed: tests wait for N more turns instead of sleeping.
+        self.num_loop_turns = 0
         self.init_new_token_ratio = min(0.7 * server_args.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = self.init_new_token_ratio * _MIN_NEW_TOKEN_RATIO_FACTOR
         self.new_token_ratio = self.init_new_token_ratio
@@ -153,6 +155,7 @@ class Scheduler:
     # ---- the loop ---------------------------------------------------------------------------
     def event_loop(self) -> None:
         while True:
+            self.num_loop_turns += 1
             for msg in self.recv_requests():
                 self.reply(self.dispatch(msg))
             self.check_pause()
@@ -475,6 +478,7 @@ class Scheduler:
             "available_kv_tokens": self.kv.available_tokens(),
             "max_total_num_tokens": self.max_total_num_tokens,
             "forward_ct_decode": self.forward_ct_decode,
+            "num_loop_turns": self.num_loop_turns,
             "new_token_ratio": self.new_token_ratio,
             "init_new_token_ratio": self.init_new_token_ratio,
             "weight_version": self.weights.version,

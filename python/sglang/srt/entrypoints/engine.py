@@ -77,7 +77,7 @@ def _run_scheduler_child(
 ) -> None:
     """Entry of the scheduler process: it follows the launcher's death, then runs."""
     from sglang.srt.layers.batch_invariant import pin_cpu_blas_numerics
-    from sglang.srt.managers.scheduler import run_scheduler_process
+    from sglang.srt.managers.scheduler_process import run_scheduler_process
 
     if server_args.enable_deterministic_inference:
         pin_cpu_blas_numerics()  # before the first GEMM of this process

@@ -19,6 +19,10 @@ from typing import Any, Literal
 
 from sglang.srt.sampling.sampling_params import SamplingParams
 
+# The label of the weights a server starts with, until update_weight_version or an update with
+# ``weight_version`` names them (the one definition every process uses).
+DEFAULT_WEIGHT_VERSION = "default"
+
 
 def _new_id() -> str:
     return uuid.uuid4().hex
@@ -314,6 +318,17 @@ class PauseGenerationReqOutput:
             "num_waiting": self.num_waiting,
             "flushed": self.flushed,
         }
+
+
+@dataclass
+class PauseStateOutput:
+    """Sent by the scheduler, unsolicited, whenever its pause phase changes (a pause took
+    effect, a drain ended, continue, the lease expired), always before the reply of the call
+    that caused it. The TokenizerManager mirrors it (admission with ``--paused-admission
+    reject``) instead of keeping a clock of its own."""
+
+    paused: bool
+    mode: str | None = None
 
 
 @dataclass

@@ -22,17 +22,16 @@ come back zero-filled and must be pushed again before generating. Both calls are
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
+from sglang.srt.managers.control_hooks import SchedulerHooks
 from sglang.srt.managers.io_struct import (
     ReleaseMemoryOccupationReqInput,
     ReleaseMemoryOccupationReqOutput,
     ResumeMemoryOccupationReqInput,
     ResumeMemoryOccupationReqOutput,
 )
-
-if TYPE_CHECKING:
-    from sglang.srt.managers.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +52,27 @@ def resolve_tags(tags: list[str] | None) -> list[str]:
     return [t for t in MEMORY_TAGS if t in tags]
 
 
+class MemoryBackend(Protocol):
+    """The owner of the memory (the ModelRunner)."""
+
+    def release_kv_cache(self) -> None: ...
+    def resume_kv_cache(self) -> None: ...
+    def release_weights(self) -> None: ...
+    def resume_weights(self) -> None: ...
+
+
 class MemoryOccupation:
     """Which memory of one scheduler is released. Owns that set; the memory itself stays with
-    the ModelRunner (weights, KV pool)."""
+    the ModelRunner (weights, KV pool).
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
+    ``restore_weights`` is called after the weights were re-allocated (the WeightUpdater's
+    ``restore_after_resume``, set once both exist); it returns a note for the caller.
+    """
+
+    def __init__(self, backend: MemoryBackend, hooks: SchedulerHooks) -> None:
+        self.backend = backend
+        self.hooks = hooks
+        self.restore_weights: Callable[[], str] = lambda: ""
         self.released: set[str] = set()
 
     def blocks_forward(self) -> bool:
@@ -69,25 +83,24 @@ class MemoryOccupation:
         return WEIGHTS in self.released
 
     def release(self, recv: ReleaseMemoryOccupationReqInput) -> ReleaseMemoryOccupationReqOutput:
-        sched = self.scheduler
         try:
             tags = resolve_tags(recv.tags)
         except ValueError as e:
             return ReleaseMemoryOccupationReqOutput(False, str(e), self._state(), recv.req_id)
-        holders = sched.num_kv_holders()
+        holders = self.hooks.num_kv_holders()
         if holders:
             message = (
                 f"{holders} request(s) hold KV cache (running or paused in place); pause with "
                 "mode 'retract' or 'abort' (or let them finish) before releasing memory"
             )
             return ReleaseMemoryOccupationReqOutput(False, message, self._state(), recv.req_id)
-        runner = sched.tp_worker.model_runner
         new = [t for t in tags if t not in self.released]
         if KV_CACHE in new:
-            sched.flush_cache()  # cannot be refused: nothing holds KV
-            runner.release_kv_cache()
+            flushed = self.hooks.flush_cache()
+            assert flushed, "a flush with no KV holder cannot be refused"
+            self.backend.release_kv_cache()
         if WEIGHTS in new:
-            runner.release_weights()
+            self.backend.release_weights()
         self.released.update(new)
         logger.info("Released memory: %s", new or "nothing new")
         message = f"Released {new}." if new else "Already released."
@@ -98,14 +111,13 @@ class MemoryOccupation:
             tags = resolve_tags(recv.tags)
         except ValueError as e:
             return ResumeMemoryOccupationReqOutput(False, str(e), self._state(), recv.req_id)
-        runner = self.scheduler.tp_worker.model_runner
         back = [t for t in tags if t in self.released]
         notes = []
         if WEIGHTS in back:
-            runner.resume_weights()
-            notes.append(self.scheduler.weights.restore_after_resume())
+            self.backend.resume_weights()
+            notes.append(self.restore_weights())
         if KV_CACHE in back:
-            runner.resume_kv_cache()
+            self.backend.resume_kv_cache()
         self.released.difference_update(back)
         logger.info("Resumed memory: %s", back or "nothing released")
         message = " ".join([f"Resumed {back}." if back else "Nothing to resume.", *notes])

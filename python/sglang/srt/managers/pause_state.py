@@ -1,18 +1,35 @@
-"""The scheduler's pause state: mode resolution, the pause lease and the ``wait`` drain.
+"""The scheduler's pause state machine: mode resolution, the pause lease and the ``wait`` drain.
 
-This module decides *what* a pause means; the Scheduler's handlers do the queue moves.
+One owner: the Scheduler core holds the only :class:`PauseState`; the TokenizerManager mirrors
+what the scheduler reports (``PauseStateOutput``) and keeps no clock of its own. This module
+decides *what* a pause means; the Scheduler's lifecycle methods do the queue moves::
+
+                 pause(abort | retract | in_place)
+    RUNNING ─────────────────────────────────────────► PAUSED
+       ▲  │  pause(wait)                                 │ ▲
+       │  └──────────────► DRAINING ── drained ─────────►│ │ (or the drain's timeout:
+       │                      │         or timed out     │ │  stragglers are retracted)
+       └── continue ──────────┘                          │ │
+       └── continue, or the lease (timeout_s) expired ◄──┘ │
+                                   a newer pause ──────────┘
 """
 
 from __future__ import annotations
 
+import enum
 import time
-from dataclasses import dataclass, field
 
 from sglang.srt.managers.io_struct import PAUSE_MODES, PauseGenerationReqInput
 
 
 class PauseModeError(ValueError):
     pass
+
+
+class PausePhase(enum.Enum):
+    RUNNING = "running"  # admitting and decoding
+    DRAINING = "draining"  # a ``wait`` pause: running requests finish, nothing new is admitted
+    PAUSED = "paused"  # nothing is admitted or decoded
 
 
 # Spellings seen in the wild (the JAX port's docs write "in-place").
@@ -34,6 +51,8 @@ def resolve_pause_mode(mode: str, clear_cache: bool) -> tuple[str, bool]:
     wait       any          wait (+ flush when drained)
     ========== ============ =====================
     """
+    if not isinstance(mode, str):
+        raise PauseModeError(f"mode must be a string, got {type(mode).__name__}")
     mode = _ALIASES.get(mode, mode)
     if mode not in PAUSE_MODES:
         raise PauseModeError(
@@ -46,33 +65,74 @@ def resolve_pause_mode(mode: str, clear_cache: bool) -> tuple[str, bool]:
     return mode, clear_cache
 
 
-@dataclass
 class PauseState:
-    """Set while the engine is paused (or draining for a ``wait`` pause)."""
+    """Phase, mode and deadlines of the engine's pause. Transitions only through the methods
+    below; every reader asks :attr:`phase` (or the two predicates)."""
 
-    mode: str
-    flush: bool
-    since: float = field(default_factory=time.time)  # wall clock, reported to users
-    # The pause lease: the engine continues by itself at this monotonic time.
-    lease_deadline: float | None = None
-    # ``wait`` mode: the request to answer once drained, and the drain deadline.
-    pending: PauseGenerationReqInput | None = None
-    drain_deadline: float | None = None
+    def __init__(self) -> None:
+        self._reset()
 
-    @staticmethod
-    def create(req: PauseGenerationReqInput, mode: str, flush: bool) -> PauseState:
-        now = time.monotonic()
-        deadline = None if req.timeout_s is None else now + req.timeout_s
-        if mode == "wait":
-            return PauseState(mode, flush, pending=req, drain_deadline=deadline)
-        return PauseState(mode, flush, lease_deadline=deadline)
+    def _reset(self) -> None:
+        self.phase = PausePhase.RUNNING
+        self.mode: str | None = None  # resolved mode while not RUNNING
+        self.flush = False  # flush the cache once paused (clear_cache / keep+clear)
+        self.since: float | None = None  # wall clock of the pause, reported to users
+        # The lease: the engine continues by itself at this monotonic time (PAUSED only).
+        self.lease_deadline: float | None = None
+        # ``wait`` mode: the request to answer once drained, and the drain's deadline.
+        self.pending: PauseGenerationReqInput | None = None
+        self.drain_deadline: float | None = None
 
+    # ---- predicates --------------------------------------------------------------------------
     @property
-    def draining(self) -> bool:
-        return self.pending is not None
+    def paused(self) -> bool:
+        """True unless RUNNING (what users see as ``engine_paused``)."""
+        return self.phase is not PausePhase.RUNNING
+
+    def admits_new(self) -> bool:
+        """New requests may start their prefill (RUNNING only)."""
+        return self.phase is PausePhase.RUNNING
+
+    def allows_forward(self) -> bool:
+        """Admitted requests may run (RUNNING, or DRAINING until they finish)."""
+        return self.phase is not PausePhase.PAUSED
 
     def lease_expired(self) -> bool:
-        return self.lease_deadline is not None and time.monotonic() >= self.lease_deadline
+        return (
+            self.phase is PausePhase.PAUSED
+            and self.lease_deadline is not None
+            and time.monotonic() >= self.lease_deadline
+        )
 
     def drain_expired(self) -> bool:
-        return self.drain_deadline is not None and time.monotonic() >= self.drain_deadline
+        return (
+            self.phase is PausePhase.DRAINING
+            and self.drain_deadline is not None
+            and time.monotonic() >= self.drain_deadline
+        )
+
+    # ---- transitions -------------------------------------------------------------------------
+    def start(self, recv: PauseGenerationReqInput, mode: str, flush: bool) -> None:
+        """RUNNING/PAUSED/DRAINING -> PAUSED, or -> DRAINING for ``wait``. A pending drain must
+        have been answered first (:meth:`end_drain`)."""
+        assert self.pending is None, "answer the pending wait pause before a new pause"
+        now = time.monotonic()
+        deadline = None if recv.timeout_s is None else now + recv.timeout_s
+        self.mode, self.flush, self.since = mode, flush, time.time()
+        if mode == "wait":
+            self.phase = PausePhase.DRAINING
+            self.pending, self.drain_deadline, self.lease_deadline = recv, deadline, None
+        else:
+            self.phase = PausePhase.PAUSED
+            self.lease_deadline, self.drain_deadline = deadline, None
+
+    def end_drain(self) -> PauseGenerationReqInput:
+        """DRAINING -> PAUSED; returns the ``wait`` request to answer now."""
+        assert self.pending is not None, "no drain in progress"
+        recv, self.pending = self.pending, None
+        self.phase, self.drain_deadline = PausePhase.PAUSED, None
+        return recv
+
+    def resume(self) -> None:
+        """Any phase -> RUNNING (continue_generation, or the lease expired)."""
+        self._reset()

@@ -10,18 +10,20 @@ A request holds, while admitted:
 :meth:`ReqKV.release` gives all of it back (caching what is worth caching); it is called by the
 finish, abort and retract paths alike, so none of them can leak.
 
-Weight updates bump ``weight_generation``. A request remembers the generation under which its KV
-started (``req.kv_generation``, set when it is admitted); KV that began under older weights is
-never inserted into the prefix cache, so no later request can match it.
+Weight updates bump ``weights.generation`` (a shared :class:`WeightState`). A request remembers
+the generation under which its KV started (``req.kv_generation``, set when it is admitted); KV
+that began under older weights is never inserted into the prefix cache, so no later request can
+match it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from sglang.srt.managers.weight_state import WeightState
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -36,7 +38,7 @@ class ReqKV:
     allocator: TokenToKVPoolAllocator
     tree_cache: BasePrefixCache
     page_size: int
-    weight_generation: int = 0  # bumped by every weight update (WeightUpdater)
+    weights: WeightState = field(default_factory=WeightState)  # shared with the WeightUpdater
 
     def available_tokens(self) -> int:
         """Tokens that can be allocated now, counting what eviction would free."""
@@ -54,7 +56,7 @@ class ReqKV:
         req.prefix_indices = match.device_indices
         req.prefix_len = int(match.device_indices.numel())
         req.kv_len = req.prefix_len
-        req.kv_generation = self.weight_generation
+        req.kv_generation = self.weights.generation
 
     def unlock_unadmitted(self, req: Req) -> None:
         """Undo :meth:`match_and_lock` for a request that was not admitted after all."""
@@ -82,6 +84,21 @@ class ReqKV:
         self.ensure_free(self.allocator.num_pages_needed_decode(seq_lens) * self.page_size)
         return self.allocator.alloc_decode(seq_lens, last_locs)
 
+    def num_private_slots(self, req: Req) -> int:
+        """Slots ``req`` holds outside the prefix cache: the pages of ``[prefix_len, kv_len)``,
+        a partly filled last page counted whole (the prefix is page-aligned)."""
+        if req.req_pool_idx is None:
+            return 0
+        pages = -(-req.kv_len // self.page_size) - req.prefix_len // self.page_size
+        return pages * self.page_size
+
+    def private_slots(self, req: Req) -> torch.Tensor:
+        """The slots of ``[prefix_len, kv_len)`` of ``req``'s row (a copy; empty if none)."""
+        if req.req_pool_idx is None:
+            return torch.empty(0, dtype=torch.int64)
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        return row[req.prefix_len : req.kv_len].clone()
+
     def release(self, req: Req) -> None:
         """Give back everything ``req`` holds; its computed KV goes to the prefix cache.
 
@@ -92,7 +109,7 @@ class ReqKV:
         if req.req_pool_idx is None:
             return
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].clone()
-        if req.kv_generation != self.weight_generation:
+        if req.kv_generation != self.weights.generation:
             self.allocator.free(kv[req.prefix_len :])
         else:
             aligned = req.kv_len // self.page_size * self.page_size

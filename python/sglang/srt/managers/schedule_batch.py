@@ -7,11 +7,30 @@ Sequence bookkeeping of one request (``all_ids = origin_input_ids + output_ids``
     KV         [0, kv_len) computed; in DECODE kv_len == len(all_ids) - 1 (last token not fed yet)
 
 A retracted request keeps ``output_ids``; re-admission prefills ``fill_ids = all_ids`` again.
+
+Lifecycle (``Req.status``; only the Scheduler core's admit / retract / finish / pause methods
+change it, and each releases what the request holds before it moves)::
+
+    status        where it lives                     holds KV + a pool row
+    WAITING       Scheduler.waiting_queue            no
+    PREFILLING    Scheduler.chunked_req              yes (the chunks computed so far)
+    RUNNING       the running batch (or the extend   yes
+                  batch of the current step)
+    PAUSED        as RUNNING / PREFILLING, while     yes (an in_place pause)
+                  the engine is paused in place
+    FINISHED      nowhere (its final output is sent) no
+
+    WAITING ──admit──► PREFILLING ──last chunk──► RUNNING ──finish──► FINISHED
+       ▲  └──admit (whole prompt)──────────────────►│  ▲
+       └──────────── retract (KV released) ◄────────┘  └─ continue ◄── PAUSED (in_place)
+    any state ──finish (stop, length, abort, rejection, error)──► FINISHED
 """
 
 from __future__ import annotations
 
+import enum
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +39,16 @@ from sglang.srt.managers.req_kv import ReqKV
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    """Where a request is in its lifecycle (see the module docstring)."""
+
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    PAUSED = "paused"
+    FINISHED = "finished"
 
 
 class Req:
@@ -61,7 +90,10 @@ class Req:
         self.stop_str_max_chars = max((len(s) for s in sampling_params.stop_strs), default=0)
         self.arrival_time = time.monotonic()
 
+        self.status = ReqStatus.WAITING
         self.output_ids: list[int] = []
+        # Why it ends (stop / length / abort), set by check_finished or the finish path;
+        # ``status`` becomes FINISHED only once the Scheduler has released it.
         self.finished_reason: dict[str, Any] | None = None
 
         # KV state (see ReqKV)
@@ -169,6 +201,7 @@ class Req:
             self.input_top_logprobs_idx.clear()
 
     def abort(self, message: str) -> None:
+        """Set an abort reason (the Scheduler's ``finish`` moves the request out)."""
         self.finished_reason = {"type": "abort", "message": message}
 
     def __repr__(self) -> str:
@@ -343,11 +376,13 @@ class ScheduleBatch:
         self.reqs = self.reqs + other.reqs
         self._sampling_info = None
 
-    def retract_decode(self, needed: int) -> list[Req]:
-        """Release the requests with the least progress until ``needed`` slots can be freed.
+    def select_retractions(self, needed: int, retract: Callable[[Req], None]) -> list[Req]:
+        """Retract the requests with the least progress until ``needed`` slots can be freed.
 
-        The retracted requests keep their output and are returned in their original order; the
-        caller puts them back at the front of the waiting queue. At least one request stays.
+        ``retract`` is the Scheduler's lifecycle method (it releases the request's KV, so the
+        next request's need is measured against what is really free). At least one request
+        stays. Returns the retracted requests in their original order, removed from the batch;
+        the caller puts them back at the front of the waiting queue.
         """
         order = sorted(
             range(len(self.reqs)),
@@ -357,7 +392,7 @@ class ScheduleBatch:
         for i in order:
             if len(retracted) == len(self.reqs) - 1 or self.kv.available_tokens() >= needed:
                 break
-            self._retract(self.reqs[i])
+            retract(self.reqs[i])
             retracted.add(i)
             needed = self.decode_tokens_needed(
                 [r for j, r in enumerate(self.reqs) if j not in retracted]
@@ -365,18 +400,6 @@ class ScheduleBatch:
         out = [r for i, r in enumerate(self.reqs) if i in retracted]
         self.filter([r for i, r in enumerate(self.reqs) if i not in retracted])
         return out
-
-    def retract_all(self) -> list[Req]:
-        """Release every request (order kept) and empty the batch."""
-        out = list(self.reqs)
-        for r in out:
-            self._retract(r)
-        self.filter([])
-        return out
-
-    def _retract(self, req: Req) -> None:
-        self.kv.release(req)
-        req.on_retract()
 
     # ---- helpers ----------------------------------------------------------------------------
     def _pool_indices(self) -> torch.Tensor:

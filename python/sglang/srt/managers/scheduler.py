@@ -1,29 +1,33 @@
-"""The Scheduler process: an event loop that owns the waiting queue and the running batch.
+"""The Scheduler core: the waiting queue, the running batch and every request's lifecycle.
 
-The loop body (``event_loop``) is the whole algorithm at a glance: receive, dispatch, pick the
-next batch, run it, process its result. Admission lives in schedule_policy, per-request KV moves
-in req_kv, result processing and output streaming in scheduler_output.
+It owns no socket and no process: its dependencies come in through the constructor (the model
+worker, the request KV manager, weight and memory handlers, and two sinks: outputs to the
+detokenizer, replies to the tokenizer manager), so tests drive it in-process with a fake worker.
+The process shell (scheduler_process.py) reads messages and calls, each loop turn::
+
+    scheduler.process_input_requests(messages)
+    scheduler.run_step()
+
+A request's ``status`` (schedule_batch.ReqStatus) changes only in :meth:`admit`,
+:meth:`start_decoding`, :meth:`retract`, :meth:`finish`, :meth:`pause_in_place` and
+:meth:`unpause`; each releases what
+the request holds before it moves. :meth:`check_invariants` proves nothing leaked.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import logging
-import signal
-import threading
 import traceback
-from multiprocessing.connection import Connection
-from typing import Any
-
-import zmq
-from tqdm import tqdm
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.hf_transformers_utils import get_tokenizer
 from sglang.srt.layers.sampler import derive_seed
+from sglang.srt.managers.control_hooks import SchedulerHooks
 from sglang.srt.managers.io_struct import (
     AbortReq,
     AbortReqOutput,
+    BatchTokenIDOutput,
     ContinueGenerationReqInput,
     ContinueGenerationReqOutput,
     FlushCacheReqInput,
@@ -33,98 +37,100 @@ from sglang.srt.managers.io_struct import (
     GetWeightsByNameReqInput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
+    PauseStateOutput,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
-    SchedulerErrorOutput,
     TokenizedGenerateReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromTensorReqInput,
     UpdateWeightVersionReqInput,
 )
-from sglang.srt.managers.memory_occupation import MemoryOccupation
+from sglang.srt.managers.memory_occupation import MemoryBackend, MemoryOccupation
 from sglang.srt.managers.pause_state import PauseModeError, PauseState, resolve_pause_mode
 from sglang.srt.managers.req_kv import ReqKV
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.managers.schedule_batch import Req, ReqStatus, ScheduleBatch
 from sglang.srt.managers.schedule_policy import (
     PrefillAdder,
     reserved_decode_tokens,
     sort_waiting_queue,
 )
+from sglang.srt.managers.scheduler_invariants import check_invariants
 from sglang.srt.managers.scheduler_output import OutputProcessor
-from sglang.srt.managers.tp_worker import TpModelWorker
-from sglang.srt.managers.weight_updater import WeightUpdater
-from sglang.srt.mem_cache import create_prefix_cache
+from sglang.srt.managers.tp_worker import ModelWorker
+from sglang.srt.managers.weight_updater import HasModel, WeightUpdater
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.server_args import PortArgs, ServerArgs
-from sglang.srt.utils import TypeBasedDispatcher, configure_logger, dumps, get_zmq_socket, loads
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils import TypeBasedDispatcher
 
 logger = logging.getLogger(__name__)
 
-_IDLE_POLL_MS = 50
 _MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 _NEW_TOKEN_RATIO_DECAY_STEPS = 600
 _RETRACT_RATIO_BUMP = 0.1
+_KV_TOO_SMALL = "The KV cache is too small for this request"
+
+
+class ModelOwner(HasModel, MemoryBackend, Protocol):
+    """The ModelRunner as the scheduler sees it: the live model and its memory."""
 
 
 class Scheduler:
-    def __init__(self, server_args: ServerArgs, port_args: PortArgs) -> None:
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        model_config: ModelConfig,
+        worker: ModelWorker,
+        runner: ModelOwner,
+        kv: ReqKV,
+        max_running_requests: int,
+        tokenizer: Any,
+        send_output: Callable[[BatchTokenIDOutput], None],
+        send_reply: Callable[[Any], None],
+    ) -> None:
+        """``runner`` owns the model and its memory (the ModelRunner); ``kv`` wraps its pools
+        and the prefix cache. ``send_output`` takes per-request outputs (to the detokenizer),
+        ``send_reply`` control replies and unsolicited state messages (to the tokenizer)."""
         self.server_args = server_args
-        self.model_config = ModelConfig(
-            server_args.model_path,
-            context_length=server_args.context_length,
-            dtype=server_args.dtype,
-            trust_remote_code=server_args.trust_remote_code,
-            device=server_args.device,
-            load_format=server_args.load_format,
-        )
-        self.tokenizer = None
-        if not server_args.skip_tokenizer_init:
-            self.tokenizer = get_tokenizer(
-                server_args.tokenizer_path, trust_remote_code=server_args.trust_remote_code
-            )
-        self.tp_worker = TpModelWorker(server_args, self.model_config)
-        runner = self.tp_worker.model_runner
-        self.max_total_num_tokens = runner.max_total_num_tokens
-        self.max_running_requests = runner.max_running_requests
-        self.max_req_input_len = min(self.model_config.context_len, self.max_total_num_tokens) - 1
-        self.tree_cache = create_prefix_cache(
-            server_args.disable_radix_cache, runner.allocator, server_args.page_size
-        )
-        self.kv = ReqKV(
-            runner.req_to_token_pool, runner.allocator, self.tree_cache, server_args.page_size
-        )
+        self.model_config = model_config
+        self.worker = worker
+        self.kv = kv
+        self.tree_cache = kv.tree_cache
+        self.max_total_num_tokens = kv.allocator.size
+        self.max_running_requests = max_running_requests
+        self.max_req_input_len = min(model_config.context_len, self.max_total_num_tokens) - 1
+        self.send_reply = send_reply
 
         self.waiting_queue: list[Req] = []
         self.running_batch = self._new_batch([])
         self.chunked_req: Req | None = None
-        self.pause: PauseState | None = None
+        self.pause = PauseState()
         self.cur_batch: ScheduleBatch | None = None
         self.last_batch: ScheduleBatch | None = None
         self.forward_ct_decode = 0
-        # Loop turns completed: tests wait for N more turns instead of sleeping.
-        self.num_loop_turns = 0
+        self.num_loop_turns = 0  # tests wait for N more turns instead of sleeping
         self.init_new_token_ratio = min(0.7 * server_args.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = self.init_new_token_ratio * _MIN_NEW_TOKEN_RATIO_FACTOR
         self.new_token_ratio = self.init_new_token_ratio
+        # Full invariant checks (tree walk, slot ownership) on every idle turn in debug mode;
+        # the cheap counting check runs whenever the scheduler goes idle and before a flush.
+        self.debug_checks = server_args.log_level == "debug"
+        self._was_busy = False
 
-        context = zmq.Context(2)
-        self.recv_sock = get_zmq_socket(
-            context, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True
-        )
-        self.send_to_tokenizer = get_zmq_socket(
-            context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False
-        )
-        send_to_detokenizer = get_zmq_socket(
-            context, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False
-        )
+        weight_state = kv.weights
         self.output = OutputProcessor(
-            self.kv,
-            self.tokenizer,
-            lambda msg: send_to_detokenizer.send(dumps(msg)),
-            server_args.stream_interval,
+            weight_state, tokenizer, send_output, server_args.stream_interval
         )
-        self.weights = WeightUpdater(self)
-        self.memory = MemoryOccupation(self)
+        hooks = SchedulerHooks(
+            abort_all=lambda message: self.abort_matching(lambda rid: True, message),
+            num_kv_holders=self.num_kv_holders,
+            flush_cache=lambda: self.flush_cache().success,
+            invalidate_cache=self._invalidate_cache,
+            num_alive=self.num_alive,
+        )
+        self.memory = MemoryOccupation(runner, hooks)
+        self.weights = WeightUpdater(runner, model_config, weight_state, self.memory, hooks)
+        self.memory.restore_weights = self.weights.restore_after_resume
         self.dispatch = TypeBasedDispatcher(
             [
                 (TokenizedGenerateReqInput, self.handle_generate_request),
@@ -142,75 +148,71 @@ class Scheduler:
             ]
         )
 
-    def ready_info(self) -> dict[str, Any]:
-        return {
-            "status": "ready",
-            "max_total_num_tokens": self.max_total_num_tokens,
-            "max_req_input_len": self.max_req_input_len,
-            "context_length": self.model_config.context_len,
-            "vocab_size": self.model_config.vocab_size,
-            "max_running_requests": self.max_running_requests,
-        }
-
-    # ---- the loop ---------------------------------------------------------------------------
-    def event_loop(self) -> None:
-        while True:
-            self.num_loop_turns += 1
-            for msg in self.recv_requests():
-                self.reply(self.dispatch(msg))
-            self.check_pause()
-            batch = self.get_next_batch_to_run()
-            self.cur_batch = batch
-            if batch is None:
-                self.on_idle()
-                continue
-            result = self.tp_worker.forward_batch_generation(
-                batch.forward_batch,
-                batch.sampling_info,
-                batch.return_logprob,
-                batch.top_logprobs_nums,
-            )
-            if batch.forward_mode == ForwardMode.EXTEND:
-                self.process_extend_result(batch, result)
+    # ---- one loop turn ----------------------------------------------------------------------
+    def process_input_requests(self, msgs: list[Any]) -> None:
+        """Handle each message in arrival order; each control request gets its reply now
+        (a ``wait`` pause later, once drained)."""
+        for msg in msgs:
+            if isinstance(msg, TokenizedGenerateReqInput):
+                self._admit_request_isolated(msg)
             else:
-                self.process_decode_result(batch, result)
-            self.last_batch = batch
+                self.reply(self.dispatch(msg))
 
-    def reply(self, msg: Any) -> None:
-        if msg is not None:
-            self.send_to_tokenizer.send(dumps(msg))
+    def run_step(self) -> bool:
+        """Run at most one forward pass and commit its results. False when none ran (idle,
+        paused, memory released, or the step's requests were finished before it ran);
+        :meth:`has_runnable_work` says whether another turn has work."""
+        self.num_loop_turns += 1
+        self.check_pause()
+        batch = self.get_next_batch_to_run()
+        self.cur_batch = batch
+        if batch is None:
+            self.on_idle()
+            return False
+        self._was_busy = True
+        result = self.worker.forward_batch_generation(
+            batch.forward_batch, batch.sampling_info, batch.return_logprob, batch.top_logprobs_nums
+        )
+        if batch.forward_mode == ForwardMode.EXTEND:
+            self.process_extend_result(batch, result)
+        else:
+            self.process_decode_result(batch, result)
+        self.last_batch = batch
+        return True
 
-    def recv_requests(self) -> list[Any]:
-        """Everything queued on the socket; blocks briefly only when there is nothing to run."""
-        busy = self.has_runnable_work()
-        msgs = []
-        if self.recv_sock.poll(0 if busy else _IDLE_POLL_MS):
-            while True:
-                try:
-                    msgs.append(loads(self.recv_sock.recv(zmq.NOBLOCK)))
-                except zmq.Again:
-                    break
-        return msgs
-
-    def on_idle(self) -> None:
-        self.new_token_ratio = self.init_new_token_ratio
-        # Requests paused in place hold private KV that the check cannot count: skip then.
-        if self.server_args.log_level == "debug" and not self.has_kv_holders():
-            self.tree_cache.check_integrity()
-
-    # ---- batch selection --------------------------------------------------------------------
     def has_runnable_work(self) -> bool:
-        if (self.pause is not None and not self.pause.draining) or self.memory.blocks_forward():
+        """Whether the next turn has something to do (the shell then does not block on input):
+        a step to run, or a drained ``wait`` pause to answer."""
+        if self.pause.pending is not None and not self.num_kv_holders():
+            return True
+        if not self.pause.allows_forward() or self.memory.blocks_forward():
             return False
         return bool(self.waiting_queue or self.chunked_req or not self.running_batch.is_empty())
 
+    def reply(self, msg: Any) -> None:
+        if msg is not None:
+            self.send_reply(msg)
+
+    def on_idle(self) -> None:
+        self.new_token_ratio = self.init_new_token_ratio
+        if self.debug_checks or self._was_busy:
+            self.check_invariants(full=self.debug_checks)
+        self._was_busy = False
+
+    def check_invariants(self, full: bool = True) -> None:
+        """Raise AssertionError if a KV slot or pool row is not owned by exactly one of: the
+        free list, the prefix cache, one admitted request (see scheduler_invariants)."""
+        check_invariants(self.kv, self.waiting_queue, self.chunked_req, self.running_batch, full)
+
+    # ---- batch selection --------------------------------------------------------------------
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        """Prefill first (unless paused or draining), else decode; None when idle, paused or
-        while memory is released."""
-        if (self.pause is not None and not self.pause.draining) or self.memory.blocks_forward():
+        """Prefill first (the chunked request's next chunk even while draining), else decode;
+        None when idle, paused or while memory is released."""
+        if not self.pause.allows_forward() or self.memory.blocks_forward():
             return None
-        if self.pause is None or self.chunked_req is not None:
-            batch = self.get_new_batch_prefill(admit_new=self.pause is None)
+        admit_new = self.pause.admits_new()
+        if admit_new or self.chunked_req is not None:
+            batch = self.get_new_batch_prefill(admit_new)
             if batch is not None:
                 return batch
         if self.running_batch.is_empty():
@@ -239,23 +241,20 @@ class Scheduler:
             num_running += 1
         admitted = 0
         for req in waiting:
-            if num_running + admitted >= self.max_running_requests:
-                break
-            if not adder.add_one_req(req):
+            if num_running + admitted >= self.max_running_requests or not adder.add_one_req(req):
                 break
             admitted += 1
         if not adder.can_run:
             return None
         new_reqs = adder.can_run[len(adder.can_run) - admitted :]
-        self.waiting_queue = self.waiting_queue[admitted:]
         batch = self._new_batch(adder.can_run)
         batch.forward_batch = batch.prepare_for_extend()
         if batch.forward_batch is None:
             logger.warning("KV pool exhausted while admitting a prefill; retrying later")
             for req in new_reqs:
                 self.kv.unlock_unadmitted(req)
-            self.waiting_queue = new_reqs + self.waiting_queue
             return None
+        self.admit(new_reqs)
         self.chunked_req = adder.new_chunked_req
         return batch
 
@@ -263,18 +262,20 @@ class Scheduler:
         """Prepare a decode step, retracting requests when the KV pool cannot hold it."""
         batch = self.running_batch
         needed = batch.decode_tokens_needed()
+        if not self.kv.ensure_free(needed) and self.chunked_req is not None:
+            # A chunked prefill holds KV that running requests need: it yields first.
+            chunked, self.chunked_req = self.chunked_req, None
+            self.retract(chunked)
+            self.waiting_queue.insert(0, chunked)
         if not self.kv.ensure_free(needed) and len(batch) > 1:
-            retracted = batch.retract_decode(needed)
+            retracted = batch.select_retractions(needed, self.retract)
             logger.warning("KV cache full: retracted %d request(s)", len(retracted))
             self.waiting_queue = retracted + self.waiting_queue
             self.new_token_ratio = min(1.0, self.new_token_ratio + _RETRACT_RATIO_BUMP)
         batch.forward_batch = batch.prepare_for_decode()
         if batch.forward_batch is None:
-            # A single request longer than the whole pool can never finish.
-            req = batch.reqs[0]
-            req.abort("The KV cache is too small for this request")
-            self.output.finish([req])
-            batch.filter([])
+            # One request is left, alone in the pool, and its next token does not fit.
+            self.finish(list(batch.reqs), {"type": "abort", "message": _KV_TOO_SMALL})
             return None
         self.forward_ct_decode += 1
         self.new_token_ratio = max(
@@ -290,13 +291,107 @@ class Scheduler:
     # ---- results ----------------------------------------------------------------------------
     def process_extend_result(self, batch: ScheduleBatch, result: Any) -> None:
         done = self.output.commit_extend(batch, result)
-        self.running_batch.merge(self._new_batch([r for r in done if not r.finished]))
+        self.finish([r for r in done if r.finished])
+        self.output.stream_due(done)
+        self.start_decoding([r for r in done if not r.finished])
 
     def process_decode_result(self, batch: ScheduleBatch, result: Any) -> None:
         self.output.commit_decode(batch, result)
-        batch.filter([r for r in batch.reqs if not r.finished])
+        self.finish([r for r in batch.reqs if r.finished])
+        self.output.stream_due(batch.reqs)
+
+    # ---- the lifecycle: the only methods that change Req.status -----------------------------
+    def admit(self, reqs: list[Req]) -> None:
+        """WAITING -> PREFILLING (more chunks to go) or RUNNING; they just got their pool row
+        and KV slots in the extend batch being built, and leave the waiting queue."""
+        gone = {id(r) for r in reqs}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in gone]
+        for req in reqs:
+            req.status = ReqStatus.PREFILLING if req.is_chunked else ReqStatus.RUNNING
+
+    def start_decoding(self, reqs: list[Req]) -> None:
+        """PREFILLING / RUNNING -> RUNNING in the running batch: their prefill is complete."""
+        for req in reqs:
+            req.status = ReqStatus.RUNNING
+        self.running_batch.merge(self._new_batch(reqs))
+
+    def retract(self, req: Req) -> None:
+        """PREFILLING / RUNNING / PAUSED -> WAITING: release its KV and pool row (computed KV
+        goes to the prefix cache). The caller removes it from its batch and queues it; its
+        output so far is kept and re-prefilled on re-admission."""
+        self.kv.release(req)
+        req.on_retract()
+        req.status = ReqStatus.WAITING
+
+    def finish(self, reqs: list[Req], reason: dict[str, Any] | None = None) -> None:
+        """Any state -> FINISHED, for every end: stop, length, abort, rejection, KV too small,
+        scheduler-side errors. ``reason`` (when given) overrides a request's own, unless it
+        already finished by itself. Releases what each holds, removes it from the queue or
+        batch it is in, and sends its final output."""
+        if not reqs:
+            return
+        for req in reqs:
+            if reason is not None and not req.finished:
+                req.finished_reason = dict(reason)
+            self.kv.release(req)
+            req.status = ReqStatus.FINISHED
+        gone = {id(r) for r in reqs}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in gone]
+        if self.chunked_req is not None and id(self.chunked_req) in gone:
+            self.chunked_req = None
+        self.running_batch.filter([r for r in self.running_batch.reqs if id(r) not in gone])
+        self.output.stream(reqs)
+
+    def pause_in_place(self) -> None:
+        """RUNNING / PREFILLING -> PAUSED for every KV holder (they keep their KV)."""
+        for req in self.kv_holders():
+            req.status = ReqStatus.PAUSED
+
+    def unpause(self) -> None:
+        """PAUSED -> RUNNING (PREFILLING for the chunked request)."""
+        for req in self.running_batch.reqs:
+            req.status = ReqStatus.RUNNING
+        if self.chunked_req is not None:
+            self.chunked_req.status = ReqStatus.PREFILLING
+
+    def retract_all(self) -> int:
+        """Move the running batch and the chunked request back to the waiting queue, in order."""
+        retracted = list(self.running_batch.reqs)
+        self.running_batch.filter([])
+        if self.chunked_req is not None:
+            retracted.append(self.chunked_req)
+            self.chunked_req = None
+        for req in retracted:
+            self.retract(req)
+        self.waiting_queue = retracted + self.waiting_queue
+        return len(retracted)
+
+    def _invalidate_cache(self) -> None:
+        self.tree_cache.invalidate()
+
+    def kv_holders(self) -> list[Req]:
+        """Requests holding KV: the running batch (paused in place included), the chunked one."""
+        chunked = [] if self.chunked_req is None else [self.chunked_req]
+        return self.running_batch.reqs + chunked
+
+    def num_kv_holders(self) -> int:
+        return len(self.running_batch) + (self.chunked_req is not None)
+
+    def num_alive(self) -> int:
+        return self.num_kv_holders() + len(self.waiting_queue)
 
     # ---- request handlers -------------------------------------------------------------------
+    def _admit_request_isolated(self, recv: TokenizedGenerateReqInput) -> None:
+        """A failure while taking one request in finishes that request, not the scheduler."""
+        try:
+            self.handle_generate_request(recv)
+        except Exception as e:
+            logger.error("Rejected request %r:\n%s", recv.rid, traceback.format_exc())
+            req = next((r for r in self.waiting_queue if r.rid == recv.rid), None)
+            if req is None:  # its own parameters may be what failed: answer with defaults
+                req = Req(recv.rid, [], SamplingParams(), 0, set())
+            self.finish([req], {"type": "abort", "message": f"Invalid request: {e}"})
+
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
         sp = recv.sampling_params
         eos = set(sp.stop_token_ids or [])
@@ -318,22 +413,34 @@ class Scheduler:
             entropy_mode=recv.entropy_mode,
             entropy_top_k=recv.entropy_top_k,
         )
-        if not recv.input_ids:
-            req.abort("The prompt is empty")
-        elif len(recv.input_ids) > self.max_req_input_len:
-            req.abort(
-                f"The prompt has {len(recv.input_ids)} tokens; at most "
-                f"{self.max_req_input_len} fit in the context or KV pool"
-            )
-        if req.finished:
-            self.output.finish([req])
+        refusal = self._refusal(req)
+        if refusal is not None:
+            self.finish([req], {"type": "abort", "message": refusal})
             return
         self.waiting_queue.append(req)
+
+    def _refusal(self, req: Req) -> str | None:
+        """Why ``req`` can never run here (None: it can)."""
+        if not req.origin_input_ids:
+            return "The prompt is empty"
+        if req.prompt_len > self.max_req_input_len:
+            return (
+                f"The prompt has {req.prompt_len} tokens; at most "
+                f"{self.max_req_input_len} fit in the context or KV pool"
+            )
+        min_total = req.prompt_len + req.sampling_params.min_new_tokens
+        if min_total > self.max_total_num_tokens:
+            return (
+                f"The prompt ({req.prompt_len} tokens) plus min_new_tokens "
+                f"({req.sampling_params.min_new_tokens}) needs {min_total} KV tokens; the KV "
+                f"pool holds {self.max_total_num_tokens}"
+            )
+        return None
 
     def handle_abort(self, recv: AbortReq) -> AbortReqOutput:
         """Abort by exact rid, rid prefix (when asked) or all; each gets its final output now."""
         if recv.abort_all:
-            matches = lambda rid: True
+            matches: Callable[[str], bool] = lambda rid: True
         elif recv.match_prefix:
             matches = lambda rid: rid.startswith(recv.rid)
         else:
@@ -341,19 +448,11 @@ class Scheduler:
         num = self.abort_matching(matches, recv.aborted_message or "Request aborted")
         return AbortReqOutput(req_id=recv.req_id, num_aborted=num)
 
-    def abort_matching(self, matches: Any, message: str) -> int:
+    def abort_matching(self, matches: Callable[[str], bool], message: str) -> int:
         """Finish every matching request (waiting, chunked or running) with type "abort"."""
-        aborted = [r for r in self.waiting_queue if matches(r.rid)]
-        self.waiting_queue = [r for r in self.waiting_queue if not matches(r.rid)]
-        if self.chunked_req is not None and matches(self.chunked_req.rid):
-            aborted.append(self.chunked_req)
-            self.chunked_req = None
-        aborted += [r for r in self.running_batch.reqs if matches(r.rid)]
-        self.running_batch.filter([r for r in self.running_batch.reqs if not matches(r.rid)])
-        for req in aborted:
-            self.kv.release(req)
-            req.abort(message)
-        self.output.finish(aborted)
+        everyone = self.waiting_queue + self.kv_holders()
+        aborted = [r for r in everyone if matches(r.rid)]
+        self.finish(aborted, {"type": "abort", "message": message})
         return len(aborted)
 
     def handle_flush_cache(self, recv: FlushCacheReqInput) -> FlushCacheReqOutput:
@@ -363,13 +462,15 @@ class Scheduler:
 
     def flush_cache(self) -> FlushCacheReqOutput:
         """Reset every KV structure. Refused while a request holds KV (running, chunked);
-        waiting requests (new, or retracted by a pause) hold none and stay queued."""
+        waiting requests (new, or retracted by a pause) hold none and stay queued. The
+        invariants are checked first: a leak must show here, not vanish in the reset."""
         holders = self.num_kv_holders()
         if holders:
             return FlushCacheReqOutput(
                 success=False,
                 error_msg=f"{holders} request(s) hold KV cache (running or paused in place)",
             )
+        self.check_invariants(full=self.debug_checks)
         flushed = self.tree_cache.total_size()
         self.tree_cache.reset()
         self.kv.req_to_token_pool.clear()
@@ -379,7 +480,7 @@ class Scheduler:
         self.cur_batch = self.last_batch = None
         return FlushCacheReqOutput(success=True, flushed_items=flushed)
 
-    # ---- pause / continue -------------------------------------------------------------------
+    # ---- pause / continue (the PauseState machine) ------------------------------------------
     def handle_pause(self, recv: PauseGenerationReqInput) -> PauseGenerationReqOutput | None:
         """Pause per DESIGN §5. A ``wait`` pause is answered later, once drained."""
         try:
@@ -388,21 +489,21 @@ class Scheduler:
                 raise PauseModeError(f"timeout_s must be > 0, got {recv.timeout_s}")
         except PauseModeError as e:
             return PauseGenerationReqOutput(success=False, message=str(e), req_id=recv.req_id)
-        if self.pause is not None and self.pause.pending is not None:
-            self.reply(self.finish_pause(retract=False))  # a newer pause supersedes a drain
-        self.pause = PauseState.create(recv, mode, flush)
+        if self.pause.pending is not None:
+            self.reply(self.end_drain(retract=False))  # a newer pause supersedes a drain
+        self.pause.start(recv, mode, flush)
+        self.reply(PauseStateOutput(paused=True, mode=mode))
         if mode == "wait":
-            return self.finish_pause(retract=False) if not self.has_kv_holders() else None
-        return self.apply_pause(recv, mode, flush)
+            return self.end_drain(retract=False) if not self.num_kv_holders() else None
+        return self.apply_pause(recv.req_id, mode, flush)
 
-    def apply_pause(
-        self, recv: PauseGenerationReqInput, mode: str, flush: bool
-    ) -> PauseGenerationReqOutput:
+    def apply_pause(self, req_id: str, mode: str, flush: bool) -> PauseGenerationReqOutput:
         num_aborted = num_retracted = 0
         if mode == "abort":
             num_aborted = self.abort_matching(lambda rid: True, "Aborted by pause_generation")
         elif mode == "retract":
             num_retracted = self.retract_all()
+        self.pause_in_place()
         flushed = flush and self.flush_cache().success
         return PauseGenerationReqOutput(
             success=True,
@@ -413,59 +514,46 @@ class Scheduler:
             num_aborted=num_aborted,
             num_waiting=len(self.waiting_queue),
             flushed=flushed,
-            req_id=recv.req_id,
+            req_id=req_id,
         )
 
-    def retract_all(self) -> int:
-        """Move the running batch and the chunked request back to the waiting queue, in order."""
-        retracted = self.running_batch.retract_all()
-        if self.chunked_req is not None:
-            self.kv.release(self.chunked_req)
-            self.chunked_req.on_retract()
-            retracted.append(self.chunked_req)
-            self.chunked_req = None
-        self.waiting_queue = retracted + self.waiting_queue
-        return len(retracted)
-
-    def finish_pause(self, retract: bool) -> PauseGenerationReqOutput:
+    def end_drain(self, retract: bool) -> PauseGenerationReqOutput:
         """End the drain of a ``wait`` pause (retracting stragglers when it timed out)."""
-        recv, self.pause.pending = self.pause.pending, None
-        return self.apply_pause(recv, "retract" if retract else "wait", self.pause.flush)
+        recv = self.pause.end_drain()
+        return self.apply_pause(recv.req_id, "retract" if retract else "wait", self.pause.flush)
 
     def check_pause(self) -> None:
         """Each loop turn: end a finished or timed-out drain; honour an expired lease."""
-        if self.pause is None:
-            return
-        if self.pause.draining:
-            if not self.has_kv_holders() or self.pause.drain_expired():
-                self.reply(self.finish_pause(retract=self.has_kv_holders()))
+        if self.pause.pending is not None:
+            if not self.num_kv_holders() or self.pause.drain_expired():
+                self.reply(self.end_drain(retract=self.num_kv_holders() > 0))
         elif self.pause.lease_expired():
             logger.warning("Pause lease expired after the trainer's timeout; continuing")
-            self.pause = None
+            self.resume_generation()
 
-    def num_kv_holders(self) -> int:
-        """Requests holding KV: running (paused in place included) and the chunked one."""
-        return len(self.running_batch) + (self.chunked_req is not None)
-
-    def has_kv_holders(self) -> bool:
-        return self.num_kv_holders() > 0
+    def resume_generation(self) -> None:
+        self.pause.resume()
+        self.unpause()
+        self.reply(PauseStateOutput(paused=False))
 
     def handle_continue(self, recv: ContinueGenerationReqInput) -> ContinueGenerationReqOutput:
-        was_paused = self.pause is not None
-        if was_paused and self.pause.draining:
-            self.reply(self.finish_pause(retract=False))
-        self.pause = None
+        was_paused = self.pause.paused
+        if self.pause.pending is not None:
+            self.reply(self.end_drain(retract=False))
+        self.resume_generation()
         return ContinueGenerationReqOutput(success=True, was_paused=was_paused, req_id=recv.req_id)
 
+    # ---- introspection ----------------------------------------------------------------------
     def handle_get_internal_state(self, recv: GetInternalStateReq) -> GetInternalStateReqOutput:
         return GetInternalStateReqOutput(internal_state=self.internal_state(), req_id=recv.req_id)
 
     def internal_state(self) -> dict[str, Any]:
         pool = self.kv.req_to_token_pool
         return {
-            "engine_paused": self.pause is not None,
-            "pause_mode": None if self.pause is None else self.pause.mode,
-            "paused_since": None if self.pause is None else self.pause.since,
+            "engine_paused": self.pause.paused,
+            "pause_phase": self.pause.phase.value,
+            "pause_mode": self.pause.mode,
+            "paused_since": self.pause.since,
             "waiting_queue_size": len(self.waiting_queue),
             "running_batch_size": len(self.running_batch),
             "running_batch_rids": [r.rid for r in self.running_batch.reqs],
@@ -476,6 +564,8 @@ class Scheduler:
             "tree_cache_size": self.tree_cache.total_size(),
             "req_to_token_pool_used": pool.size - pool.available_size(),
             "available_kv_tokens": self.kv.available_tokens(),
+            "free_kv_tokens": self.kv.allocator.available_size(),
+            "private_kv_tokens": sum(self.kv.num_private_slots(r) for r in self.kv_holders()),
             "max_total_num_tokens": self.max_total_num_tokens,
             "forward_ct_decode": self.forward_ct_decode,
             "num_loop_turns": self.num_loop_turns,
@@ -485,27 +575,3 @@ class Scheduler:
             "memory_released_tags": sorted(self.memory.released),
             "max_running_requests": self.max_running_requests,
         }
-
-
-def run_scheduler_process(
-    server_args: ServerArgs, port_args: PortArgs, pipe_writer: Connection
-) -> None:
-    """Entry point of the scheduler subprocess: report ready (or the error), then loop."""
-    configure_logger(server_args.log_level, prefix=" Scheduler")
-    faulthandler.register(signal.SIGUSR1)
-    # tqdm's default lock is a multiprocessing semaphore, which this process cannot release when
-    # it is killed at shutdown (the resource tracker then warns about a leak): use a thread lock.
-    tqdm.set_lock(threading.RLock())
-    try:
-        scheduler = Scheduler(server_args, port_args)
-    except Exception as e:  # any failure at start-up is reported to the launcher verbatim
-        logger.error("Scheduler failed to start:\n%s", traceback.format_exc())
-        pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
-        return
-    pipe_writer.send(scheduler.ready_info())
-    try:
-        scheduler.event_loop()
-    except Exception as e:
-        logger.error("Scheduler crashed:\n%s", traceback.format_exc())
-        scheduler.send_to_tokenizer.send(dumps(SchedulerErrorOutput(f"{type(e).__name__}: {e}")))
-        raise

@@ -1,8 +1,10 @@
 """Committing step results into requests, and streaming them to the detokenizer.
 
-``commit_*`` append each request's new token (and logprobs), check whether it finished, release
-the KV of finished requests and send what is due. A request's messages are incremental: ids and
-logprobs from ``req.num_sent_ids`` on; prompt logprobs once.
+``commit_*`` append each request's new token (and logprobs) and check whether it finished; the
+Scheduler then finishes those (``Scheduler.finish`` releases them and calls :meth:`stream`) and
+streams what is due for the others. :meth:`stream` is the one place that builds a request's
+output message, final or not. A request's messages are incremental: ids and logprobs from
+``req.num_sent_ids`` on; prompt logprobs once.
 """
 
 from __future__ import annotations
@@ -11,25 +13,23 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang.srt.managers.io_struct import BatchTokenIDOutput
-from sglang.srt.managers.req_kv import ReqKV
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.tp_worker import GenerationBatchResult
+from sglang.srt.managers.weight_state import WeightState
 
 
 class OutputProcessor:
     def __init__(
         self,
-        kv: ReqKV,
+        weights: WeightState,
         tokenizer: Any,
         send: Callable[[BatchTokenIDOutput], None],
         stream_interval: int,
     ) -> None:
-        self.kv = kv
+        self.weights = weights  # read only: the label of the weights computing each new token
         self.tokenizer = tokenizer
         self.send = send
         self.stream_interval = stream_interval
-        # Label of the weights that compute the next tokens (set by the WeightUpdater).
-        self.weight_version = "default"
 
     def commit_extend(self, batch: ScheduleBatch, result: GenerationBatchResult) -> list[Req]:
         """Commit a prefill step. Returns the requests whose prefill completed (finished or not);
@@ -48,22 +48,20 @@ class OutputProcessor:
                 req.input_logprobs_done = True
             self._append_token(req, result, i)
             done.append(req)
-        self._after_step(done)
         return done
 
     def commit_decode(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         for i, req in enumerate(batch.reqs):
             req.kv_len += 1
             self._append_token(req, result, i)
-        self._after_step(batch.reqs)
 
-    def finish(self, reqs: list[Req]) -> None:
-        """Send the final output of requests finished outside a step (abort, rejection)."""
-        self.stream(reqs)
+    def stream_due(self, reqs: list[Req]) -> None:
+        """Stream the unfinished requests of ``reqs`` whose stream interval has come."""
+        self.stream([r for r in reqs if not r.finished and self._due(r)])
 
     def _append_token(self, req: Req, result: GenerationBatchResult, i: int) -> None:
         req.output_ids.append(result.next_token_ids[i])
-        _extend_version_spans(req.weight_version_spans, self.weight_version, len(req.output_ids))
+        _extend_version_spans(req.weight_version_spans, self.weights.version, len(req.output_ids))
         if req.return_logprob:
             req.output_token_logprobs_val.append(result.next_token_logprobs[i])
             req.output_token_logprobs_idx.append(result.next_token_ids[i])
@@ -106,15 +104,7 @@ class OutputProcessor:
                 i[:k] for i in result.input_top_logprobs_idx[offset:end]
             )
 
-    def _after_step(self, reqs: list[Req]) -> None:
-        for req in reqs:
-            if req.finished:
-                self.kv.release(req)
-        self.stream([r for r in reqs if self._due(r)])
-
     def _due(self, req: Req) -> bool:
-        if req.finished:
-            return True
         if not req.stream:
             return False
         unsent = len(req.output_ids) - req.num_sent_ids
@@ -143,7 +133,7 @@ class OutputProcessor:
             weight_version_spans=[
                 _spans_from(r.weight_version_spans, r.num_sent_ids) for r in reqs
             ],
-            weight_version=self.weight_version,
+            weight_version=self.weights.version,
         )
         if any_logprob:
             self._fill_logprobs(msg, reqs)

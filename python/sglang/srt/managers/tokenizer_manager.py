@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import math
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +37,7 @@ from sglang.srt.managers.io_struct import (
     GetWeightsByNameReqOutput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
+    PauseStateOutput,
     ReleaseMemoryOccupationReqInput,
     ReleaseMemoryOccupationReqOutput,
     ResumeMemoryOccupationReqInput,
@@ -110,8 +109,9 @@ class TokenizerManager:
         self._abort_targets: dict[str, list[ReqState]] = {}
         self._procs: list[Any] = []
         self._dead_reason: str | None = None
-        # Monotonic time until which the engine is paused (inf: until continue; None: running).
-        self._paused_until: float | None = None
+        # The scheduler's pause state as its last PauseStateOutput said (it owns the state and
+        # its lease; this is a mirror for admission with --paused-admission reject).
+        self._scheduler_paused = False
         # Whether the scheduler's KV cache or weights are released (nothing decodes then).
         self.memory_released = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -133,6 +133,7 @@ class TokenizerManager:
                 (UpdateWeightVersionReqOutput, self._handle_control_output),
                 (ReleaseMemoryOccupationReqOutput, self._handle_control_output),
                 (ResumeMemoryOccupationReqOutput, self._handle_control_output),
+                (PauseStateOutput, self._handle_pause_state),
                 (SchedulerErrorOutput, self._handle_scheduler_error),
             ]
         )
@@ -358,24 +359,20 @@ class TokenizerManager:
         call is covered by it (an ``abort`` pause aborts them all). An invalid mode comes back
         as ``success=False`` with the state unchanged.
         """
-        out = await self._control(obj)
-        if out.success:
-            lease = obj.timeout_s if obj.mode != "wait" else None
-            self._paused_until = math.inf if lease is None else time.monotonic() + lease
-        return out
+        return await self._control(obj)
 
     async def continue_generation(
         self, obj: ContinueGenerationReqInput | None = None
     ) -> ContinueGenerationReqOutput:
         """Resume after a pause (a no-op reply when not paused)."""
-        out = await self._control(obj or ContinueGenerationReqInput())
-        self._paused_until = None
-        return out
+        return await self._control(obj or ContinueGenerationReqInput())
 
     @property
     def is_paused(self) -> bool:
-        """Paused as far as this frontend knows (a pause lease ends it by itself)."""
-        return self._paused_until is not None and time.monotonic() < self._paused_until
+        """Whether the scheduler is paused (or draining), as it last reported. The scheduler
+        sends its new state before the reply of the call that changed it, and by itself when
+        a pause lease expires."""
+        return self._scheduler_paused
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         """Ask the scheduler to flush the prefix cache; returns its reply (success or reason)."""
@@ -484,6 +481,9 @@ class TokenizerManager:
             if self.rid_to_state.get(state.rid) is state:
                 del self.rid_to_state[state.rid]
             state.notify.set()
+
+    def _handle_pause_state(self, msg: PauseStateOutput) -> None:
+        self._scheduler_paused = msg.paused
 
     def _handle_scheduler_error(self, msg: SchedulerErrorOutput) -> None:
         self._fail_all(f"scheduler died: {msg.message}")

@@ -12,10 +12,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sglang.srt.managers.io_struct import BatchStrOutput, TokenizedGenerateReqInput
+from sglang.srt.managers.io_struct import (
+    DEFAULT_WEIGHT_VERSION,
+    BatchStrOutput,
+    TokenizedGenerateReqInput,
+)
 
-# The label of the initial weights (until an update or /update_weight_version changes it).
-_DEFAULT_WEIGHT_VERSION = "default"
 _LOGPROB_KEYS = (
     "output_token_logprobs",
     "input_token_logprobs",
@@ -67,7 +69,7 @@ class ReqState:
         self.entropy: list[float] = []
         # {"version", "start", "end"} runs over the output tokens, merged as increments arrive.
         self.weight_spans: list[dict[str, Any]] = []
-        self.weight_version = _DEFAULT_WEIGHT_VERSION  # scheduler's label at the last message
+        self.weight_version = DEFAULT_WEIGHT_VERSION  # scheduler's label at the last message
         self.dirty = False
         self.error: str | None = None
 

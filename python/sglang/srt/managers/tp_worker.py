@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -27,6 +27,18 @@ class GenerationBatchResult(NamedTuple):
     # Entropy of each row's distribution when some request of the batch asks (0 in the rows
     # that do not), None otherwise; definitions in docs/entropy.md.
     entropies: list[float] | None = None
+
+
+class ModelWorker(Protocol):
+    """What the Scheduler core needs to run a step (TpModelWorker, or a test's scripted fake)."""
+
+    def forward_batch_generation(
+        self,
+        forward_batch: ForwardBatch,
+        sampling_info: SamplingBatchInfo,
+        return_logprob: bool,
+        top_logprobs_nums: list[int] | None,
+    ) -> GenerationBatchResult: ...
 
 
 class TpModelWorker:

@@ -6,8 +6,8 @@ half-updated model. Order of an update:
 
 1. validate (model_loader.weight_update: on a meta twin; a refusal changes nothing at all);
 2. abort every request if asked;
-3. load in place; bump the *weight generation* (``ReqKV.weight_generation``);
-4. relabel if a version is given; the output processor attributes every later token to it;
+3. load in place; bump the *weight generation* (``WeightState.generation``);
+4. relabel if a version is given (``WeightState.version``); every later token carries it;
 5. make old-weight KV unmatchable: a full flush when asked and nothing holds KV, else
    ``tree_cache.invalidate()`` (requests paused in place keep their old-weight KV, which is
    never cached: see req_kv).
@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.managers.control_hooks import SchedulerHooks
 from sglang.srt.managers.io_struct import (
     GetWeightsByNameReqInput,
     GetWeightsByNameReqOutput,
@@ -30,16 +31,15 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightVersionReqInput,
     UpdateWeightVersionReqOutput,
 )
+from sglang.srt.managers.memory_occupation import MemoryOccupation
+from sglang.srt.managers.weight_state import WeightState
 from sglang.srt.model_loader import weight_update as wu
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from sglang.srt.managers.scheduler import Scheduler
-
 logger = logging.getLogger(__name__)
 
-DEFAULT_WEIGHT_VERSION = "default"
 _ABORT_MESSAGE = "Aborted by a weight update"
 _RELEASED = (
     "The weights are released (release_memory_occupation); call resume_memory_occupation "
@@ -47,26 +47,45 @@ _RELEASED = (
 )
 
 
+class HasModel(Protocol):
+    """The owner of the live model (the ModelRunner)."""
+
+    model: nn.Module
+
+
 class WeightUpdater:
-    """Weight updates for one scheduler. Owns the version label and the weight generation.
+    """Weight updates for one scheduler. The only writer of its :class:`WeightState` (label and
+    generation).
 
     ``source`` is the checkpoint the live weights came from (None after a tensor update, whose
     source cannot be re-read); a load that fails after validation reloads it.
     """
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        self.model_config: ModelConfig = scheduler.model_config
-        self.version = DEFAULT_WEIGHT_VERSION
-        self.generation = 0
+    def __init__(
+        self,
+        runner: HasModel,
+        model_config: ModelConfig,
+        state: WeightState,
+        memory: MemoryOccupation,
+        hooks: SchedulerHooks,
+    ) -> None:
+        self.runner = runner
+        self.model_config = model_config
+        self.state = state
+        self.memory = memory
+        self.hooks = hooks
         self.source: ModelConfig | None = (
-            None if self.model_config.load_format == "dummy" else self.model_config
+            None if model_config.load_format == "dummy" else model_config
         )
         self._meta_model: nn.Module | None = None
 
     @property
+    def version(self) -> str:
+        return self.state.version
+
+    @property
     def model(self) -> nn.Module:
-        return self.scheduler.tp_worker.model_runner.model
+        return self.runner.model
 
     def meta_model(self) -> nn.Module:
         if self._meta_model is None:
@@ -92,7 +111,7 @@ class WeightUpdater:
             ok, message = False, self._recover(recv.model_path, e)
         self._commit(recv.weight_version if ok else None, recv.flush_cache)
         return UpdateWeightFromDiskReqOutput(
-            ok, message, self._num_alive(), req_id=recv.req_id
+            ok, message, self.hooks.num_alive(), req_id=recv.req_id
         )
 
     def update_from_tensor(
@@ -115,7 +134,9 @@ class WeightUpdater:
             ok, message = False, f"Failed to copy the tensors: {e}; the model may be partial"
         self.source = None
         self._commit(recv.weight_version if ok else None, recv.flush_cache)
-        return UpdateWeightsFromTensorReqOutput(ok, message, self._num_alive(), req_id=recv.req_id)
+        return UpdateWeightsFromTensorReqOutput(
+            ok, message, self.hooks.num_alive(), req_id=recv.req_id
+        )
 
     def get_weights_by_name(self, recv: GetWeightsByNameReqInput) -> GetWeightsByNameReqOutput:
         if self._released():
@@ -135,7 +156,7 @@ class WeightUpdater:
                 False, "new_version must be a non-empty string", self.version, req_id=recv.req_id
             )
         num_aborted = self._abort_all(recv.abort_all_requests)
-        self.set_version(recv.new_version)
+        self.state.version = recv.new_version
         return UpdateWeightVersionReqOutput(
             True,
             f"Weight version updated to {recv.new_version}",
@@ -161,10 +182,7 @@ class WeightUpdater:
 
     # ---- steps -------------------------------------------------------------------------------
     def _released(self) -> bool:
-        return self.scheduler.memory.weights_released()
-    def set_version(self, version: str) -> None:
-        self.version = version
-        self.scheduler.output.weight_version = version
+        return self.memory.weights_released()
 
     def _validate_disk(self, model_path: str, load_format: str | None) -> ModelConfig:
         if not isinstance(model_path, str) or not model_path:
@@ -210,25 +228,15 @@ class WeightUpdater:
     def _abort_all(self, abort: bool) -> int:
         if not abort:
             return 0
-        return self.scheduler.abort_matching(lambda rid: True, _ABORT_MESSAGE)
+        return self.hooks.abort_all(_ABORT_MESSAGE)
 
     def _commit(self, weight_version: str | None, flush: bool) -> None:
         """The weights changed: new generation, optional new label, no stale KV matchable."""
-        self.generation += 1
-        self.scheduler.kv.weight_generation = self.generation
+        self.state.generation += 1
         if weight_version is not None:
-            self.set_version(weight_version)
-        sched = self.scheduler
-        if not (flush and not sched.has_kv_holders() and sched.flush_cache().success):
-            sched.tree_cache.invalidate()
-
-    def _num_alive(self) -> int:
-        sched = self.scheduler
-        return (
-            len(sched.running_batch)
-            + len(sched.waiting_queue)
-            + (sched.chunked_req is not None)
-        )
+            self.state.version = weight_version
+        if not (flush and self.hooks.num_kv_holders() == 0 and self.hooks.flush_cache()):
+            self.hooks.invalidate_cache()
 
 
 def _dtype_name(model_config: ModelConfig) -> str:

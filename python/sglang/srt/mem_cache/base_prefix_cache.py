@@ -113,6 +113,11 @@ class BasePrefixCache(ABC):
         outside the cache (their private pages, partial tail pages counted whole). Read-only;
         raises AssertionError on a violation."""
 
+    def cached_slots(self) -> torch.Tensor:
+        """Every slot the cache holds (evictable, protected and stale), in no order, as a fresh
+        tensor. For ownership checks (the scheduler's invariants). Does not mutate."""
+        return torch.empty(0, dtype=torch.int64)
+
     def pretty_print(self) -> str:
         """A human-readable dump of the cache (for debugging). Does not mutate."""
         return repr(self)

@@ -348,6 +348,12 @@ class RadixCache(BasePrefixCache):
         free_ids = self.allocator.free_page_ids().cpu()
         _check(not bool(torch.isin(page_ids, free_ids).any()), "a cached page is also free")
 
+    def cached_slots(self) -> torch.Tensor:
+        nodes = self._nodes() + [n for root in self._stale_roots for n in self._nodes(root)]
+        if not nodes:
+            return torch.empty(0, dtype=torch.int64)
+        return torch.cat([n.value for n in nodes]).cpu()
+
     def pretty_print(self) -> str:
         lines = [repr(self)]
         stack = [(c, 1) for c in self._root.children.values()]

@@ -266,21 +266,22 @@ class ScheduleBatch:
         for r, row in zip(new, rows):
             r.req_pool_idx = row
             if r.prefix_len:
+                assert r.prefix_indices is not None, "a matched prefix has its indices"
                 pool.write(row, 0, r.prefix_indices)
         prefix_lens = [r.kv_len for r in self.reqs]
         seq_lens = [r.kv_len + r.extend_len for r in self.reqs]
         last_locs = self._last_locs(prefix_lens)
         out_cache_loc = self.kv.alloc_extend(prefix_lens, seq_lens, last_locs)
         if out_cache_loc is None:
+            pool.free(rows)
             for r in new:
-                pool.free(r.req_pool_idx)
                 r.req_pool_idx = None
             return None
         input_ids: list[int] = []
         positions: list[int] = []
         offset = 0
-        for r, start, end in zip(self.reqs, prefix_lens, seq_lens):
-            pool.write(r.req_pool_idx, start, out_cache_loc[offset : offset + end - start])
+        for row, r, start, end in zip(self._rows(), self.reqs, prefix_lens, seq_lens):
+            pool.write(row, start, out_cache_loc[offset : offset + end - start])
             offset += end - start
             input_ids.extend(r.fill_ids[start:end])
             positions.extend(range(start, end))
@@ -402,10 +403,16 @@ class ScheduleBatch:
         return out
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _rows(self) -> list[int]:
+        """Each request's ReqToTokenPool row (every request of a prepared batch has one)."""
+        rows = []
+        for r in self.reqs:
+            assert r.req_pool_idx is not None, f"{r} in a prepared batch has no pool row"
+            rows.append(r.req_pool_idx)
+        return rows
+
     def _pool_indices(self) -> torch.Tensor:
-        return torch.tensor(
-            [r.req_pool_idx for r in self.reqs], dtype=torch.int64, device=self.device
-        )
+        return torch.tensor(self._rows(), dtype=torch.int64, device=self.device)
 
     def _last_locs(self, kv_lens: list[int]) -> list[int]:
         """Slot of each request's token ``kv_lens[i] - 1`` (-1 if none); only paged pools."""

@@ -72,14 +72,18 @@ class PrefillAdder:
         if self.new_chunked_req is not None or not self.budget_left():
             return False
         req.init_fill_ids()
+        available = self.kv.available_tokens()
         self.kv.match_and_lock(req, req.max_prefix_len())
+        # Locking the match made those cached tokens unevictable: they leave the budget.
+        locked = available - self.kv.available_tokens()
+        self.rem_total_tokens -= locked
         extend_len = len(req.fill_ids) - req.kv_len
         take = self._chunk_len(extend_len)
         if take > self.rem_input_tokens:
             take = self._page_floor(self.rem_input_tokens)
         if take < extend_len and (self.rem_chunk_tokens is None or take == 0):
             if self.can_run or self.rem_chunk_tokens is not None:
-                self.kv.unlock_unadmitted(req)
+                self._refuse(req, locked)
                 return False
             take = extend_len  # chunking is off: a lone prompt over the budget still runs
         reserve = min(
@@ -90,7 +94,7 @@ class PrefillAdder:
             need += int(reserve * self.new_token_ratio)
         alone_fits = not self.can_run and take + self.page_size <= self.rem_total_tokens
         if need > self.rem_total_tokens and not alone_fits:
-            self.kv.unlock_unadmitted(req)
+            self._refuse(req, locked)
             return False
         req.cached_tokens = max(req.cached_tokens, req.prefix_len)
         req.extend_len = take
@@ -100,6 +104,10 @@ class PrefillAdder:
         if req.is_chunked:
             self.new_chunked_req = req
         return True
+
+    def _refuse(self, req: Req, locked: int) -> None:
+        self.kv.unlock_unadmitted(req)
+        self.rem_total_tokens += locked
 
     def budget_left(self) -> bool:
         return self.rem_input_tokens > 0 and (

@@ -170,6 +170,7 @@ class Scheduler:
             self.on_idle()
             return False
         self._was_busy = True
+        assert batch.forward_batch is not None, "a batch to run has been prepared"
         result = self.worker.forward_batch_generation(
             batch.forward_batch, batch.sampling_info, batch.return_logprob, batch.top_logprobs_nums
         )

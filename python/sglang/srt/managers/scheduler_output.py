@@ -10,12 +10,14 @@ output message, final or not. A request's messages are incremental: ids and logp
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from sglang.srt.managers.io_struct import BatchTokenIDOutput
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.tp_worker import GenerationBatchResult
 from sglang.srt.managers.weight_state import WeightState
+
+T = TypeVar("T")
 
 
 class OutputProcessor:
@@ -63,19 +65,19 @@ class OutputProcessor:
         req.output_ids.append(result.next_token_ids[i])
         _extend_version_spans(req.weight_version_spans, self.weights.version, len(req.output_ids))
         if req.return_logprob:
-            req.output_token_logprobs_val.append(result.next_token_logprobs[i])
+            req.output_token_logprobs_val.append(_asked(result.next_token_logprobs)[i])
             req.output_token_logprobs_idx.append(result.next_token_ids[i])
             if req.top_logprobs_num:
                 req.output_top_logprobs_val.append(
-                    result.top_logprobs_val[i][: req.top_logprobs_num]
+                    _asked(result.top_logprobs_val)[i][: req.top_logprobs_num]
                 )
                 req.output_top_logprobs_idx.append(
-                    result.top_logprobs_idx[i][: req.top_logprobs_num]
+                    _asked(result.top_logprobs_idx)[i][: req.top_logprobs_num]
                 )
         if req.return_entropy:
             # One value per output token, appended with it: a retracted request keeps its list
             # and continues it after the re-prefill, so ids, logprobs and entropy stay aligned.
-            req.output_token_entropy_val.append(result.entropies[i])
+            req.output_token_entropy_val.append(_asked(result.entropies)[i])
         req.check_finished(self.tokenizer)
 
     def _add_input_logprobs(
@@ -90,7 +92,7 @@ class OutputProcessor:
                     req.input_top_logprobs_val.append([])
                     req.input_top_logprobs_idx.append([])
         end = offset + num_rows
-        req.input_token_logprobs_val.extend(result.input_token_logprobs[offset:end])
+        req.input_token_logprobs_val.extend(_asked(result.input_token_logprobs)[offset:end])
         first_target = len(req.input_token_logprobs_idx) + req.logprob_start_len
         req.input_token_logprobs_idx.extend(
             req.origin_input_ids[first_target : first_target + num_rows]
@@ -98,10 +100,10 @@ class OutputProcessor:
         if req.top_logprobs_num:
             k = req.top_logprobs_num
             req.input_top_logprobs_val.extend(
-                v[:k] for v in result.input_top_logprobs_val[offset:end]
+                v[:k] for v in _asked(result.input_top_logprobs_val)[offset:end]
             )
             req.input_top_logprobs_idx.extend(
-                i[:k] for i in result.input_top_logprobs_idx[offset:end]
+                i[:k] for i in _asked(result.input_top_logprobs_idx)[offset:end]
             )
 
     def _due(self, req: Req) -> bool:
@@ -171,6 +173,13 @@ class OutputProcessor:
         for r, f in zip(reqs, first):
             if f:
                 r.input_logprobs_sent = True
+
+
+def _asked(values: list[T] | None) -> list[T]:
+    """A result list that a request of the batch asked for (the worker returns it then)."""
+    if values is None:
+        raise RuntimeError("the model worker did not return values a request asked for")
+    return values
 
 
 def _extend_version_spans(spans: list[list], version: str, num_tokens: int) -> None:

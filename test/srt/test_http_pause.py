@@ -134,3 +134,19 @@ def test_paused_admission_reject(tiny_model_dir: object) -> None:
             timeout=30,
         )
         assert r.status_code == 200
+        # A leased pause ends in the scheduler; the frontend follows what it reports (no
+        # clock of its own): admission reopens without any continue call.
+        pause = {"mode": "in_place", "timeout_s": 1.0}
+        assert httpx.post(s.url + "/pause_generation", json=pause, timeout=30).status_code == 200
+        r = httpx.post(s.url + "/generate", json={"input_ids": [1, 2, 3]}, timeout=30)
+        assert r.status_code == 503
+        deadline = time.monotonic() + 30
+        while httpx.get(s.url + "/is_paused", timeout=30).json()["is_paused"]:
+            assert time.monotonic() < deadline, "the lease never expired"
+            time.sleep(0.05)
+        r = httpx.post(
+            s.url + "/generate",
+            json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}},
+            timeout=30,
+        )
+        assert r.status_code == 200

@@ -107,7 +107,7 @@ def sample_torch(
         scaled = logits / info.temperatures[:, None]
         if return_logprob or info.need_top_p:
             stats = row_softmax_stats(scaled, _whole_batch_needs_scaled_entropy(groups, info))
-        next_ids, thr = _sample(logits, scaled, _log_z(stats), info)
+        next_ids, thr = _sample(logits, scaled, None if stats is None else _log_z(stats), info)
     if scaled is None and need_scaled:
         # Greedy rows: temperature 0 is stored as 1 (x / 1 == x); top_k = 1 keeps its T.
         scaled = logits / info.temperatures[:, None]
@@ -145,10 +145,11 @@ def row_softmax_stats(x: torch.Tensor, with_entropy: bool) -> SoftmaxStats:
     if x.device.type != "cpu" or num_rows <= step:
         return _softmax_stats(x, with_entropy)
     parts = [_softmax_stats(x[i : i + step], with_entropy) for i in range(0, num_rows, step)]
+    devs = [p.sum_exp_dev for p in parts if p.sum_exp_dev is not None]
     return SoftmaxStats(
         torch.cat([p.row_max for p in parts]),
         torch.cat([p.sum_exp for p in parts]),
-        torch.cat([p.sum_exp_dev for p in parts]) if with_entropy else None,
+        torch.cat(devs) if with_entropy else None,
     )
 
 
@@ -175,8 +176,8 @@ def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
     return _log_z(row_softmax_stats(x, with_entropy=False))
 
 
-def _log_z(stats: SoftmaxStats | None) -> torch.Tensor | None:
-    return None if stats is None else stats.row_max + torch.log(stats.sum_exp)
+def _log_z(stats: SoftmaxStats) -> torch.Tensor:
+    return stats.row_max + torch.log(stats.sum_exp)
 
 
 def _row_sum(x: torch.Tensor) -> torch.Tensor:
@@ -357,10 +358,9 @@ def _thresholds_from_sorted(
     crossing = vals.gather(1, num_before.clamp(max=prefix_len - 1)[:, None]).squeeze(1)
     uses_top_p = top_ps < 1.0
     unresolved = uses_top_p & (num_before >= prefix_len) & (thr < vals[:, -1])
-    if prefix_len == info.vocab_size:
-        unresolved = None
     thr = torch.maximum(thr, torch.where(uses_top_p, crossing, neg_inf))
-    return thr, unresolved
+    # A full sort (K = V) leaves nothing beyond the prefix.
+    return thr, None if prefix_len == info.vocab_size else unresolved
 
 
 # ---- entropy --------------------------------------------------------------------------------
@@ -406,15 +406,16 @@ def _entropies(
     for group in groups:
         rows = slice(None) if group.rows is None else group.rows
         # With unit temperatures ``scaled`` is bitwise ``logits`` (x / 1.0 == x).
-        use_raw = scaled is None or (group.mode == "raw" and not info.unit_temperature)
-        truncated = group.mode == "sampled" and thr is not None
-        if group.top_k == 0 and not truncated and not use_raw and whole is not None:
+        wants_raw = group.mode == "raw" and not info.unit_temperature
+        source = logits if scaled is None or wants_raw else scaled
+        group_thr = thr if group.mode == "sampled" else None
+        if group.top_k == 0 and group_thr is None and source is scaled and whole is not None:
             ent = _entropy_from_stats(whole)[rows]
         else:
-            values = logits[rows] if use_raw else scaled[rows]
-            if truncated:
+            values = source[rows]
+            if group_thr is not None:
                 values = values.clone()
-                mask_below_(values, values, thr[rows][:, None])
+                mask_below_(values, values, group_thr[rows][:, None])
             if group.top_k > 0:
                 values = values.topk(group.top_k, dim=-1).values
             ent = entropy_of_rows(values)

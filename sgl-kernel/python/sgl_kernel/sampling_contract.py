@@ -202,26 +202,25 @@ def sample_contract(
     num_rows, vocab_size = logits.shape
     if vocab_size != info.vocab_size:
         raise ValueError(f"logits have {vocab_size} columns, expected {info.vocab_size}")
-    params = [
+    temperatures, top_ks, top_ps, min_ps, greedy_rows = (
         p.detach().cpu()
         for p in (info.temperatures, info.top_ks, info.top_ps, info.min_ps, info.is_greedy)
-    ]
+    )
     noise = gumbel_noise(info.seeds.cpu(), info.positions.cpu(), vocab_size)
-    x = logits / params[0][:, None]
+    x = logits / temperatures[:, None]
     next_ids = torch.empty(num_rows, dtype=torch.int64)
     entropies = torch.zeros(num_rows, dtype=torch.float32)
     for row in range(num_rows):
-        t = truncation_threshold(x[row], params[1][row], params[2][row], params[3][row])
-        is_greedy = bool(params[4][row])
+        t = truncation_threshold(x[row], top_ks[row], top_ps[row], min_ps[row])
+        is_greedy = bool(greedy_rows[row])
         if is_greedy:
             next_ids[row] = logits[row].argmax()
         else:
             scores = x[row] + noise[row]
             next_ids[row] = torch.where(x[row] >= t, scores, float("-inf")).argmax()
-        code = 0 if entropy_plan is None else int(entropy_plan.modes[row])
-        if entropy_plan is not None and code != 0:
+        if entropy_plan is not None and int(entropy_plan.modes[row]) != 0:
+            mode = _MODE_OF_CODE[int(entropy_plan.modes[row])]
             top_k = int(entropy_plan.top_ks[row])
-            mode = _MODE_OF_CODE[code]
             entropies[row] = row_entropy(logits[row], x[row], t, is_greedy, mode, top_k)
     device = info.temperatures.device
     out_entropies = None if entropy_plan is None else entropies.to(device)

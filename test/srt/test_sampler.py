@@ -62,9 +62,13 @@ HAND_PROBS = {4: 0.40, 1: 0.25, 6: 0.15, 0: 0.10, 7: 0.05, 2: 0.03, 3: 0.015, 5:
 HAND_LOGITS = torch.tensor([math.log(HAND_PROBS[v]) for v in range(8)], dtype=torch.float32)
 
 
-def sampled_set(params: dict, num_samples: int = 3000) -> set[int]:
+def sampled_set(params: dict, num_samples: int = 3000, oracle: bool = False) -> set[int]:
+    """Tokens drawn over many seeds by the Sampler, or by the contract oracle."""
     logits = HAND_LOGITS.repeat(num_samples, 1)
     reqs = [req(seed=i, position=i % 17, **params) for i in range(num_samples)]
+    if oracle:
+        out = sample_contract(logits, make_info(reqs, logits.shape[1]), False, None)
+        return set(out.next_token_ids.tolist())
     return set(sample(logits, reqs).next_token_ids.tolist())
 
 
@@ -181,6 +185,7 @@ def test_greedy_is_argmax_and_top_k_one_is_greedy():
 )
 def test_allowed_sets(params: dict, allowed: set[int]):
     assert sampled_set(params) == allowed
+    assert sampled_set(params, num_samples=1500, oracle=True) == allowed
 
 
 @pytest.mark.parametrize("top_k", [-1, 7])

@@ -32,10 +32,12 @@ serve: model
 
 test: model
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 bench: model
 	$(BIN)/python benchmark/bench_offline_throughput.py --model-path $(MODEL_DIR)

@@ -8,8 +8,9 @@ trained here on a fixed corpus (no hub access).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -108,6 +109,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pa
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Callable[..., Path]) -> Iterator[Any]:
+    """An ``sglang.Engine`` on the tiny random Llama (``random_seed=0``), one per test module.
+    A module that needs other engine arguments defines its own ``engine`` fixture instead."""
+    import sglang as sgl  # here, not at the top: TRITON_INTERPRET must be set first
+
+    with sgl.Engine(model_path=str(tiny_model_dir("llama")), random_seed=0) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="session")

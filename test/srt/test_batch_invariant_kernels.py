@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_test_utils import ids_and_logprobs
 from model_test_utils import TEST_DEVICE, BatchBuilder, hf_greedy, load_from_hf
 from test_determinism import assert_prefill_logprobs_equal_decode
 from test_entropy_kernel import make_info
@@ -176,10 +177,6 @@ def test_enable_batch_invariant_mode_rejects_unknown_kernels() -> None:
         enable_batch_invariant_mode(torch.nn.Linear(2, 2), "cuda")
 
 
-def _ids_and_logprobs(out: dict) -> tuple[list[int], list[float]]:
-    return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-
-
 @pytest.fixture(scope="module")
 def triton_engine(tiny_model_dir):
     with sgl.Engine(
@@ -207,7 +204,7 @@ def test_engine_triton_path_is_batch_invariant(triton_engine, params: dict) -> N
     batch = triton_engine.generate(
         input_ids=others[:2] + [target] + others[2:], sampling_params=params, return_logprob=True
     )
-    assert _ids_and_logprobs(batch[2]) == _ids_and_logprobs(alone[0])
+    assert ids_and_logprobs(batch[2]) == ids_and_logprobs(alone[0])
 
 
 def test_engine_triton_path_prefill_logprobs_equal_decode(triton_engine) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from engine_test_utils import engine_state, wait_for
 
 import sglang as sgl
 
@@ -22,23 +23,10 @@ LONG = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}  # seconds 
 PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44], [100, 7]]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    with sgl.Engine(model_path=str(tiny_model_dir("llama")), random_seed=0) as eng:
-        yield eng
-
-
-def _wait_until(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
 def _rids(engine: sgl.Engine, where: str = "running_batch_rids") -> list[str]:
     """The rids the scheduler holds in ``where`` (``running_batch_rids`` or
     ``waiting_queue_rids``)."""
-    return engine.get_server_info()["internal_states"][0][where]
+    return engine_state(engine)[where]
 
 
 def _child_pids() -> set[int]:
@@ -148,7 +136,7 @@ def test_blocking_generate_does_not_block_other_threads(engine: sgl.Engine) -> N
     worker = threading.Thread(target=lambda: result.update(engine.generate(
         input_ids=PROMPTS[0], sampling_params=LONG, rid="long")))
     worker.start()
-    _wait_until(lambda: "long" in _rids(engine))
+    wait_for(lambda: "long" in _rids(engine))
     refused = engine.flush_cache()
     assert refused.success is False and refused.error_msg
     assert worker.is_alive()
@@ -164,7 +152,7 @@ def test_leaving_a_stream_early_aborts_it(engine: sgl.Engine) -> None:
     next(stream)
     stream.close()
     assert "left" not in engine.tokenizer_manager.rid_to_state
-    _wait_until(lambda: "left" not in _rids(engine), timeout=5)
+    wait_for(lambda: "left" not in _rids(engine), timeout=5)
 
 
 def test_dead_scheduler_and_shutdown(tiny_model_dir) -> None:
@@ -186,7 +174,7 @@ def test_dead_scheduler_and_shutdown(tiny_model_dir) -> None:
         # however fast this host decodes.
         eng.pause_generation(mode="in_place")
         worker.start()
-        _wait_until(lambda: errors or "doomed" in _rids(eng, "waiting_queue_rids"))
+        wait_for(lambda: errors or "doomed" in _rids(eng, "waiting_queue_rids"))
         assert not errors, errors
         os.kill(pids[0], signal.SIGKILL)
         worker.join(10)
@@ -234,7 +222,7 @@ def test_children_exit_when_the_launcher_is_killed(tiny_model_dir) -> None:
     finally:
         launcher.kill()  # SIGKILL: no atexit, no shutdown()
         launcher.wait(10)
-    _wait_until(lambda: not any(map(_is_alive, pids)), timeout=10)
+    wait_for(lambda: not any(map(_is_alive, pids)), timeout=10)
 
 
 def _is_alive(pid: int) -> bool:

@@ -4,10 +4,16 @@ resubmitting prompt + partial output with the remaining budget reproduces the re
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from engine_test_utils import (
+    engine_state,
+    ids_and_logprobs,
+    wait_for,
+    wait_loop_turns,
+    wait_running,
+)
 
 import sglang as sgl
 
@@ -21,6 +27,7 @@ PARAMS = {
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
+    """Overrides conftest's ``engine``: deterministic inference."""
     with sgl.Engine(
         model_path=str(tiny_model_dir("llama")), enable_deterministic_inference=True, random_seed=0
     ) as eng:
@@ -31,18 +38,11 @@ def _params(name: str, max_new: int = MAX_NEW) -> dict:
     return {**PARAMS[name], "max_new_tokens": max_new, "ignore_eos": True}
 
 
-def _state(engine: sgl.Engine) -> dict:
-    return engine.get_server_info()["internal_states"][0]
-
-
 def _wait_decoding(engine: sgl.Engine, n: int) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        state = _state(engine)
-        if state["running_batch_size"] == n and state["forward_ct_decode"] > 5:
-            return
-        assert time.monotonic() < deadline, "requests never started decoding"
-        time.sleep(0.005)
+    """Wait until ``n`` requests run and some decode steps have happened."""
+    wait_running(lambda: engine_state(engine), n)
+    start = engine_state(engine)["forward_ct_decode"]
+    wait_for(lambda: engine_state(engine)["forward_ct_decode"] > start + 5)
 
 
 def _baseline(engine: sgl.Engine, prompts: list[list[int]], name: str) -> list[dict]:
@@ -57,13 +57,9 @@ def _interrupted(engine: sgl.Engine, prompts: list[list[int]], name: str, mode: 
         )
         _wait_decoding(engine, len(prompts))
         engine.pause_generation(mode=mode)
-        time.sleep(0.05)
+        wait_loop_turns(lambda: engine_state(engine), 10)  # stay paused for a few turns
         engine.continue_generation()
         return fut.result(timeout=120)
-
-
-def _ids_and_logprobs(out: dict) -> tuple[list[int], list[float]]:
-    return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
 
 
 @pytest.mark.parametrize("name", list(PARAMS))
@@ -74,7 +70,7 @@ def test_pause_continue_equals_uninterrupted(engine, name: str, mode: str, num: 
     expected = _baseline(engine, prompts, name)
     outs = _interrupted(engine, prompts, name, mode)
     for out, exp in zip(outs, expected):
-        assert _ids_and_logprobs(out) == _ids_and_logprobs(exp)
+        assert ids_and_logprobs(out) == ids_and_logprobs(exp)
         assert out["meta_info"]["total_retractions"] == (1 if mode == "retract" else 0)
 
 
@@ -86,8 +82,8 @@ def test_abort_then_resubmit_reproduces_the_rest(engine, name: str, num: int) ->
     partial = _interrupted(engine, prompts, name, "abort")
     for prompt, part, exp in zip(prompts, partial, expected):
         assert part["meta_info"]["finish_reason"]["type"] == "abort"
-        got_ids, got_lps = _ids_and_logprobs(part)
-        exp_ids, exp_lps = _ids_and_logprobs(exp)
+        got_ids, got_lps = ids_and_logprobs(part)
+        exp_ids, exp_lps = ids_and_logprobs(exp)
         k = len(got_ids)
         assert 0 < k < MAX_NEW
         assert (got_ids, got_lps) == (exp_ids[:k], exp_lps[:k])
@@ -96,7 +92,7 @@ def test_abort_then_resubmit_reproduces_the_rest(engine, name: str, num: int) ->
             sampling_params=_params(name, MAX_NEW - k),
             return_logprob=True,
         )
-        assert _ids_and_logprobs(rest) == (exp_ids[k:], exp_lps[k:])
+        assert ids_and_logprobs(rest) == (exp_ids[k:], exp_lps[k:])
 
 
 def test_stream_through_retract_concatenates_to_the_baseline(engine) -> None:
@@ -122,6 +118,6 @@ def test_stream_through_retract_concatenates_to_the_baseline(engine) -> None:
         assert cur["output_ids"][: len(prev["output_ids"])] == prev["output_ids"]
     final = chunks[-1]
     assert final["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW}
-    assert _ids_and_logprobs(final) == _ids_and_logprobs(expected)
+    assert ids_and_logprobs(final) == ids_and_logprobs(expected)
     assert final["meta_info"]["completion_tokens"] == MAX_NEW
     assert final["meta_info"]["total_retractions"] == 1

@@ -7,12 +7,11 @@ from __future__ import annotations
 import inspect
 import math
 import threading
-import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
+from engine_test_utils import engine_state, wait_for
 
 import sglang as sgl
 
@@ -27,6 +26,7 @@ def model_dir(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
+    """Overrides conftest's ``engine``: a small KV pool and entropy with every logprob."""
     with sgl.Engine(
         model_path=str(model_dir),
         random_seed=0,
@@ -163,17 +163,6 @@ def test_stream_equals_non_stream(engine) -> None:
     )
 
 
-def _state(engine) -> dict:
-    return engine.get_server_info()["internal_states"][0]
-
-
-def _wait_for(pred: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
-
-
 def _submit(engine, pool: ThreadPoolExecutor, rids: list[str], max_new: int) -> list[Future]:
     params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
     return [
@@ -187,7 +176,7 @@ def test_entropy_stays_aligned_after_retract(engine, hf_model) -> None:
     rids = [f"retract-{i}" for i in range(3)]
     with ThreadPoolExecutor(len(rids)) as pool:
         futures = _submit(engine, pool, rids, max_new=120)
-        _wait_for(lambda: _state(engine)["running_batch_size"] == len(rids))
+        wait_for(lambda: engine_state(engine)["running_batch_size"] == len(rids))
         try:
             assert engine.pause_generation(mode="retract")["num_retracted"] == len(rids)
         finally:
@@ -208,8 +197,8 @@ def test_entropy_stays_aligned_after_abort(engine, hf_model) -> None:
     with ThreadPoolExecutor(1) as pool:
         (future,) = _submit(engine, pool, ["abort-me"], max_new=400)
         future.add_done_callback(lambda _: done.set())
-        start = _state(engine)["forward_ct_decode"]
-        _wait_for(lambda: _state(engine)["forward_ct_decode"] >= start + 5 or done.is_set())
+        start = engine_state(engine)["forward_ct_decode"]
+        wait_for(lambda: engine_state(engine)["forward_ct_decode"] >= start + 5 or done.is_set())
         assert engine.abort_request(rid="abort-me") == 1
         out = future.result(timeout=60)
     assert out["meta_info"]["finish_reason"]["type"] == "abort"

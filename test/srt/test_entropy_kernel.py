@@ -1,6 +1,6 @@
-"""Fused Triton sampling kernel vs the torch reference (on the GPU when there is one, else
-under TRITON_INTERPRET=1 on CPU), entropy definitions and bounds, the sampling-backend registry
-and the entropy flags of ServerArgs."""
+"""Both sampling backends (the fused Triton kernel, on the GPU when there is one, else under
+TRITON_INTERPRET=1 on CPU, and the tuned torch sampler) vs the plain contract oracle, entropy
+definitions and bounds, the sampling-backend registry and the entropy flags of ServerArgs."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import pytest
 import torch
 from model_test_utils import TEST_DEVICE
 
-from sgl_kernel.sampling_reference import SampleOutput, gumbel_noise, sample_reference
+from sgl_kernel.sampling_contract import SampleOutput, gumbel_noise, sample_contract
+from sgl_kernel.sampling_torch import sample_torch
 from sglang.srt.layers.sampler import SAMPLING_BACKENDS, Sampler, get_sampling_backend
 from sglang.srt.sampling.sampling_batch_info import EntropyRequest, SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -73,13 +74,16 @@ def on_device(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(TEST_DEVICE)
 
 
-def run_both(
+def run_backends(
     kernel: ModuleType, logits: torch.Tensor, info: SamplingBatchInfo, return_logprob: bool = True
-) -> tuple[SampleOutput, SampleOutput]:
+) -> tuple[list[SampleOutput], SampleOutput]:
+    """(outputs of the kernel and of the torch backend, the contract oracle's output)."""
     plan = info.entropy_plan("raw", 0)
-    got = kernel.sample_triton(logits, info, return_logprob, None, plan)
-    want = sample_reference(logits, info, return_logprob, None, plan)
-    return got, want
+    got = [
+        sample(logits, info, return_logprob, None, plan)
+        for sample in (kernel.sample_triton, sample_torch)
+    ]
+    return got, sample_contract(logits, info, return_logprob, None, plan)
 
 
 def assert_same(got: SampleOutput, want: SampleOutput) -> None:
@@ -128,14 +132,15 @@ def special_rows(num_rows: int, vocab: int, gen: torch.Generator) -> torch.Tenso
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab, num_rows", [(1000, 16), (49152, 3), (151936, 2)])
-def test_kernel_matches_reference(kernel, dtype: torch.dtype, vocab: int, num_rows: int):
+def test_backends_match_contract(kernel, dtype: torch.dtype, vocab: int, num_rows: int):
     gen = torch.Generator().manual_seed(vocab + num_rows)
     params = [TRUNCATIONS[(i * 7 + 4) % len(TRUNCATIONS)] for i in range(num_rows)]
     specs = [ENTROPY_SPECS[(i * 3 + vocab) % len(ENTROPY_SPECS)] for i in range(num_rows)]
     logits = on_device(special_rows(num_rows, vocab, gen).to(dtype))
-    got, want = run_both(kernel, logits, make_info(params, vocab, specs))
-    assert_same(got, want)
-    assert got.entropies is not None and bool(torch.isfinite(got.entropies).all())
+    outs, want = run_backends(kernel, logits, make_info(params, vocab, specs))
+    for got in outs:
+        assert_same(got, want)
+        assert got.entropies is not None and bool(torch.isfinite(got.entropies).all())
 
 
 def test_kernel_reads_any_row_stride_and_skips_entropy_when_unasked(kernel):
@@ -143,22 +148,25 @@ def test_kernel_reads_any_row_stride_and_skips_entropy_when_unasked(kernel):
     wide = on_device(torch.randn(6, 700, generator=gen) * 2)
     logits = wide[:, :613]  # row stride 700, not contiguous
     info = make_info(TRUNCATIONS[2:8], 613)
-    got, want = run_both(kernel, logits, info)
-    assert got.entropies is None and want.entropies is None
-    assert_same(got, want)
+    outs, want = run_backends(kernel, logits, info)
+    assert want.entropies is None
+    for got in outs:
+        assert got.entropies is None
+        assert_same(got, want)
     contiguous = kernel.sample_triton(logits.contiguous(), info, False, None, None)
-    assert contiguous.next_token_ids.tolist() == got.next_token_ids.tolist()
+    assert contiguous.next_token_ids.tolist() == want.next_token_ids.tolist()
     assert contiguous.logprobs is None
 
 
 def test_uniform_rows_follow_the_noise_alone(kernel):
     # Equal logits: the token is the argmax of the contract noise, so any bit of the hash
-    # that differs between kernel and reference shows up here.
+    # that differs between a backend and the contract shows up here.
     vocab, num_rows = 3000, 24
     info = make_info([{"temperature": 1.0}] * num_rows, vocab)
-    got = kernel.sample_triton(on_device(torch.zeros(num_rows, vocab)), info, False, None, None)
     noise = gumbel_noise(info.seeds, info.positions, vocab)
-    assert got.next_token_ids.tolist() == noise.argmax(dim=-1).tolist()
+    for sample in (kernel.sample_triton, sample_torch):
+        got = sample(on_device(torch.zeros(num_rows, vocab)), info, False, None, None)
+        assert got.next_token_ids.tolist() == noise.argmax(dim=-1).tolist()
 
 
 def test_chi_square_of_kernel_samples(kernel):
@@ -195,7 +203,7 @@ def _float64_entropy(values: torch.Tensor) -> float:
     return float(-(torch.where(p > 0, p * logp, 0.0)).sum())
 
 
-@pytest.mark.parametrize("backend", ["reference", "kernel"])
+@pytest.mark.parametrize("backend", ["contract", "torch", "kernel"])
 def test_entropy_definitions(kernel, backend: str):
     gen = torch.Generator().manual_seed(11)
     vocab = 300
@@ -204,7 +212,7 @@ def test_entropy_definitions(kernel, backend: str):
     params = [{"temperature": 0.7, "top_k": 30, "top_p": 0.9, "min_p": 0.01}] * 6
     specs = [("raw", 0), ("scaled", 0), ("sampled", 0), ("raw", 12), ("scaled", 12), ("sampled", 9)]
     info = make_info(params, vocab, specs)
-    sample = kernel.sample_triton if backend == "kernel" else sample_reference
+    sample = {"contract": sample_contract, "torch": sample_torch}.get(backend, kernel.sample_triton)
     got = sample(on_device(logits), info, False, None, info.entropy_plan("raw", 0)).entropies
     x = logits[0].double()
     scaled = (logits[0] / 0.7).double()
@@ -232,9 +240,10 @@ def test_entropy_bounds_and_special_rows(kernel):
     specs = [("raw", 0)] * 6 + [("scaled", 16)] * 6 + [("sampled", 0)] * 6
     params = ([{"temperature": 1.5}] * 6) + ([{"temperature": 0.5, "top_p": 0.9}] * 12)
     info = make_info(params, vocab, specs)
-    got, want = run_both(kernel, logits, info, return_logprob=False)
-    assert_same_tokens_and_entropy(got, want)
-    ent = got.entropies
+    outs, want = run_backends(kernel, logits, info, return_logprob=False)
+    for got in outs:
+        assert_same_tokens_and_entropy(got, want)
+    ent = outs[0].entropies
     assert bool((ent >= -1e-6).all())
     assert bool((ent[:6] <= math.log(vocab) + 1e-5).all())
     assert bool((ent[6:12] <= math.log(16) + 1e-5).all())
@@ -254,10 +263,11 @@ def test_top_k_entropy_counts_boundary_ties_as_topk_does(kernel):
     # K = 2 over 3, 2, 2, 2, 1: the multiset {3, 2}, as torch.topk returns it.
     logits = on_device(torch.tensor([[2.0, 3.0, 2.0, 1.0, 2.0]] * 2))
     info = make_info([{"temperature": 1.0}, {"temperature": 0.0}], 5, [("raw", 2), ("sampled", 2)])
-    got, want = run_both(kernel, logits, info)
-    assert_same(got, want)
-    assert got.entropies[0].item() == pytest.approx(_float64_entropy(torch.tensor([3.0, 2.0])))
-    assert got.entropies[1].item() == 0.0  # a greedy row samples a point mass
+    outs, want = run_backends(kernel, logits, info)
+    for got in outs:
+        assert_same(got, want)
+        assert got.entropies[0].item() == pytest.approx(_float64_entropy(torch.tensor([3.0, 2.0])))
+        assert got.entropies[1].item() == 0.0  # a greedy row samples a point mass
 
 
 def test_entropy_does_not_change_tokens_or_logprobs(kernel):
@@ -265,7 +275,7 @@ def test_entropy_does_not_change_tokens_or_logprobs(kernel):
     logits = on_device(torch.randn(len(TRUNCATIONS), 500, generator=gen) * 2)
     plain = make_info(TRUNCATIONS, 500)
     with_entropy = make_info(TRUNCATIONS, 500, [("sampled", 0)] * len(TRUNCATIONS))
-    for sample in (kernel.sample_triton, sample_reference):
+    for sample in (kernel.sample_triton, sample_torch, sample_contract):
         a = sample(logits, plain, True, None, plain.entropy_plan("raw", 0))
         b = sample(logits, with_entropy, True, None, with_entropy.entropy_plan("raw", 0))
         assert a.entropies is None and b.entropies is not None
@@ -299,12 +309,16 @@ def test_backend_registry(kernel):
     info = make_info(TRUNCATIONS, 64, [(None, None)] * len(TRUNCATIONS))
     gen = torch.Generator().manual_seed(1)
     logits = on_device(torch.randn(len(TRUNCATIONS), 64, generator=gen))
-    outs = [Sampler(name, "scaled").forward(logits, info, True, [2] * 11) for name in ("pytorch",)]
     plan = info.entropy_plan("scaled", 0)
-    outs.append(SampleOutput(*kernel.sample_triton(logits, info, True, [2] * 11, plan)))
-    assert_same(outs[1], outs[0])
-    torch.testing.assert_close(outs[1].top_logprobs_val, outs[0].top_logprobs_val)
-    assert outs[1].top_logprobs_idx.tolist() == outs[0].top_logprobs_idx.tolist()
+    want = sample_contract(logits, info, True, [2] * 11, plan)
+    outs = [
+        Sampler("pytorch", "scaled").forward(logits, info, True, [2] * 11),
+        SampleOutput(*kernel.sample_triton(logits, info, True, [2] * 11, plan)),
+    ]
+    for got in outs:
+        assert_same(got, want)
+        torch.testing.assert_close(got.top_logprobs_val, want.top_logprobs_val)
+        assert got.top_logprobs_idx.tolist() == want.top_logprobs_idx.tolist()
 
 
 def test_server_args_sampling_backend_and_entropy_flags(monkeypatch):

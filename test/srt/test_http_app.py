@@ -23,10 +23,28 @@ import uvicorn
 
 from sglang.srt.entrypoints.http_server import create_app
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
-from sglang.srt.managers.io_struct import FlushCacheReqOutput, GenerateReqInput
-from sglang.srt.managers.tokenizer_manager import EnginePausedError
+from sglang.srt.managers.io_struct import (
+    ContinueGenerationReqInput,
+    ContinueGenerationReqOutput,
+    FlushCacheReqOutput,
+    GenerateReqInput,
+    GetWeightsByNameReqInput,
+    GetWeightsByNameReqOutput,
+    PauseGenerationReqInput,
+    PauseGenerationReqOutput,
+    ReleaseMemoryOccupationReqInput,
+    ReleaseMemoryOccupationReqOutput,
+    ResumeMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqOutput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
+    UpdateWeightVersionReqInput,
+    UpdateWeightVersionReqOutput,
+)
+from sglang.srt.managers.tokenizer_manager import EnginePausedError, TokenizerManager
+from sglang.srt.managers.tokenizer_manager_protocol import TokenizerManagerProtocol
 from sglang.srt.sampling.sampling_params import SamplingParams
-from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_args import PortArgs, ServerArgs
 
 VOCAB = 100
 KV_TOKENS = 1000
@@ -47,7 +65,13 @@ class FakeTokenizer:
 
 
 class FakeTokenizerManager:
-    """Generates token ``10 + (prompt_len + k) % 50`` at step k; text "w<id> " per token."""
+    """Generates token ``10 + (prompt_len + k) % 50`` at step k; text "w<id> " per token.
+
+    Implements TokenizerManagerProtocol: pause and continue only flip ``is_paused``; weight and
+    memory requests are refused (there are no weights), as a scheduler refuses them.
+    """
+
+    NO_WEIGHTS = "the fake tokenizer manager serves no weights"
 
     def __init__(self) -> None:
         self.tokenizer = FakeTokenizer()
@@ -61,6 +85,7 @@ class FakeTokenizerManager:
         self.closed_unfinished: list[str] = []
         self.fail_with: Exception | None = None
         self.is_paused = False
+        self.memory_released = False
 
     def start(self) -> None:
         """Nothing to start: no sockets."""
@@ -173,6 +198,41 @@ class FakeTokenizerManager:
             return FlushCacheReqOutput(success=False, error_msg="requests are running")
         return FlushCacheReqOutput(success=True)
 
+    async def pause_generation(self, obj: PauseGenerationReqInput) -> PauseGenerationReqOutput:
+        if obj.mode not in ("abort", "retract", "in_place"):
+            return PauseGenerationReqOutput(success=False, message=f"unknown mode {obj.mode!r}")
+        self.is_paused = True
+        return PauseGenerationReqOutput(success=True, mode=obj.mode, num_running=len(self.active))
+
+    async def continue_generation(
+        self, obj: ContinueGenerationReqInput | None = None
+    ) -> ContinueGenerationReqOutput:
+        was_paused, self.is_paused = self.is_paused, False
+        return ContinueGenerationReqOutput(success=True, was_paused=was_paused)
+
+    async def update_weights_from_disk(
+        self, obj: UpdateWeightFromDiskReqInput
+    ) -> UpdateWeightFromDiskReqOutput:
+        return UpdateWeightFromDiskReqOutput(success=False, message=self.NO_WEIGHTS)
+
+    async def get_weights_by_name(self, obj: GetWeightsByNameReqInput) -> GetWeightsByNameReqOutput:
+        return GetWeightsByNameReqOutput(parameter=None, message=self.NO_WEIGHTS)
+
+    async def update_weight_version(
+        self, obj: UpdateWeightVersionReqInput
+    ) -> UpdateWeightVersionReqOutput:
+        return UpdateWeightVersionReqOutput(success=False, message=self.NO_WEIGHTS)
+
+    async def release_memory_occupation(
+        self, obj: ReleaseMemoryOccupationReqInput
+    ) -> ReleaseMemoryOccupationReqOutput:
+        return ReleaseMemoryOccupationReqOutput(success=False, message=self.NO_WEIGHTS)
+
+    async def resume_memory_occupation(
+        self, obj: ResumeMemoryOccupationReqInput
+    ) -> ResumeMemoryOccupationReqOutput:
+        return ResumeMemoryOccupationReqOutput(success=False, message=self.NO_WEIGHTS)
+
     async def get_internal_state(self) -> list[dict[str, Any]]:
         return [
             {
@@ -237,6 +297,45 @@ def _sse_events(raw: bytes) -> list[str]:
 
 
 # ---- native endpoints --------------------------------------------------------------------------
+def test_fake_and_real_managers_implement_the_protocol() -> None:
+    assert isinstance(FakeTokenizerManager(), TokenizerManagerProtocol)
+    args = ServerArgs(model_path="m", device="cpu", skip_tokenizer_init=True)
+    info = {"context_length": 64, "vocab_size": VOCAB, "max_req_input_len": 60}
+    real = TokenizerManager(args, PortArgs.init_new(), info)  # not started: no sockets
+    assert isinstance(real, TokenizerManagerProtocol)
+    assert not isinstance(object(), TokenizerManagerProtocol)
+
+
+def test_pause_and_continue_endpoints(server: _Server) -> None:
+    r = httpx.post(server.url + "/pause_generation", json={"mode": "in_place"})
+    assert r.status_code == 200
+    assert r.json()["mode"] == "in_place" and r.json()["status"] == "ok"
+    assert server.tm.is_paused
+    assert httpx.get(server.url + "/health_generate").status_code == 200  # no generation
+    r = httpx.post(server.url + "/continue_generation")
+    assert r.json() == {
+        "message": "Generation continued successfully.", "status": "ok", "was_paused": True,
+    }  # fmt: skip
+    assert not server.tm.is_paused
+    r = httpx.post(server.url + "/pause_generation", json={"mode": "sideways"})
+    assert r.status_code == 400 and "unknown mode" in r.json()["error"]["message"]
+    assert not server.tm.is_paused
+
+
+def test_refused_weight_and_memory_requests_are_400(server: _Server) -> None:
+    for path, body in [
+        ("/update_weights_from_disk", {"model_path": "/elsewhere"}),
+        ("/get_weights_by_name", {"name": "lm_head.weight"}),
+        ("/update_weight_version", {"new_version": "v2"}),
+        ("/release_memory_occupation", {}),
+        ("/resume_memory_occupation", {}),
+    ]:
+        r = httpx.post(server.url + path, json=body)
+        assert r.status_code == 400, path
+        assert FakeTokenizerManager.NO_WEIGHTS in r.json()["error"]["message"], path
+    assert httpx.get(server.url + "/get_model_info").json()["model_path"] == "/models/fake"
+
+
 def test_health_and_info(server: _Server) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
     info = httpx.get(server.url + "/get_model_info").json()

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+from engine_test_utils import post, server_state, wait_running
 from server_test_utils import ServerProcess
 
 MAX_NEW = 400
@@ -20,29 +20,13 @@ def server(tiny_model_dir) -> Iterator[ServerProcess]:
         yield s
 
 
-def _post(server: ServerProcess, path: str, body: object = None, **kw: object) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, headers=server.headers, timeout=60, **kw)
-
-
-def _state(server: ServerProcess) -> dict:
-    info = httpx.get(server.url + "/get_server_info", headers=server.headers, timeout=30).json()
-    return info["internal_states"][0]
-
-
-def _wait_running(server: ServerProcess, n: int) -> None:
-    deadline = time.monotonic() + 30
-    while _state(server)["running_batch_size"] != n:
-        assert time.monotonic() < deadline, "requests never started"
-        time.sleep(0.01)
-
-
 def _generate(server: ServerProcess, i: int, max_new: int = MAX_NEW) -> dict:
     body = {
         "input_ids": [11 + i, 12, 13],
         "return_logprob": True,
         "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True},
     }
-    r = _post(server, "/generate", body)
+    r = post(server, "/generate", body)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -56,16 +40,16 @@ def test_control_endpoints_need_the_key(server: ServerProcess) -> None:
 def test_retract_pause_and_continue_over_http(server: ServerProcess) -> None:
     with ThreadPoolExecutor(3) as pool:
         futs = [pool.submit(_generate, server, i) for i in range(3)]
-        _wait_running(server, 3)
-        r = _post(server, "/pause_generation", {"mode": "retract"})
+        wait_running(lambda: server_state(server), 3)
+        r = post(server, "/pause_generation", {"mode": "retract"})
         assert r.status_code == 200
         reply = r.json()
         assert reply["message"] == "Generation paused successfully."
         assert reply["status"] == "ok" and reply["num_retracted"] == 3
         paused = httpx.get(server.url + "/is_paused", headers=server.headers, timeout=10).json()
         assert paused["is_paused"] and paused["pause_mode"] == "retract"
-        assert _post(server, "/flush_cache").status_code == 200  # nothing holds KV now
-        r = _post(server, "/continue_generation")
+        assert post(server, "/flush_cache").status_code == 200  # nothing holds KV now
+        r = post(server, "/continue_generation")
         assert r.json() == {
             "message": "Generation continued successfully.",
             "status": "ok",
@@ -83,36 +67,36 @@ def test_retract_pause_and_continue_over_http(server: ServerProcess) -> None:
 def test_in_place_flush_refused_and_abort_mode(server: ServerProcess) -> None:
     with ThreadPoolExecutor(2) as pool:
         futs = [pool.submit(_generate, server, i) for i in range(2)]
-        _wait_running(server, 2)
-        assert _post(server, "/pause_generation", {"mode": "in_place"}).json()["num_running"] == 2
-        refused = _post(server, "/flush_cache")
+        wait_running(lambda: server_state(server), 2)
+        assert post(server, "/pause_generation", {"mode": "in_place"}).json()["num_running"] == 2
+        refused = post(server, "/flush_cache")
         assert refused.status_code == 400 and "hold KV" in refused.text
-        reply = _post(server, "/pause_generation", {"mode": "abort"}).json()
+        reply = post(server, "/pause_generation", {"mode": "abort"}).json()
         assert reply["num_aborted"] == 2
         outs = [f.result(timeout=30) for f in futs]
-        _post(server, "/continue_generation")
+        post(server, "/continue_generation")
     assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
 
 
 def test_bad_pause_bodies_are_400_and_state_unchanged(server: ServerProcess) -> None:
-    r = _post(server, "/pause_generation", {"mode": "sideways"})
+    r = post(server, "/pause_generation", {"mode": "sideways"})
     assert r.status_code == 400 and "sideways" in r.json()["error"]["message"]
-    assert _post(server, "/pause_generation", {"mode": 3}).status_code == 400
+    assert post(server, "/pause_generation", {"mode": 3}).status_code == 400
     assert (
-        _post(server, "/pause_generation", {"mode": "in_place", "clear_cache": True}).status_code
+        post(server, "/pause_generation", {"mode": "in_place", "clear_cache": True}).status_code
         == 400
     )
     assert (
-        _post(
+        post(
             server,
             "/pause_generation",
             content=b"{not json",
         ).status_code
         == 400
     )
-    assert not _state(server)["engine_paused"]
+    assert not server_state(server)["engine_paused"]
     # continue without a pause is fine, and the server still generates
-    assert _post(server, "/continue_generation").json()["was_paused"] is False
+    assert post(server, "/continue_generation").json()["was_paused"] is False
     assert len(_generate(server, 0, max_new=4)["output_ids"]) == 4
 
 

@@ -18,6 +18,7 @@ import httpx
 import openai
 import psutil
 import pytest
+from engine_test_utils import post, server_state, wait_for
 from server_test_utils import ServerProcess
 
 CONTEXT_LEN = 4096
@@ -41,15 +42,6 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
 
 
-def _post(server: ServerProcess, path: str, body: Any, **kw: Any) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=60, headers=server.headers, **kw)
-
-
-def _state(server: ServerProcess) -> dict[str, Any]:
-    info = httpx.get(server.url + "/get_server_info", headers=server.headers, timeout=30).json()
-    return info["internal_states"][0]
-
-
 def _sse_payloads(raw: bytes) -> list[str]:
     assert raw.endswith(b"\n\n")
     events = raw.decode().split("\n\n")[:-1]
@@ -58,7 +50,7 @@ def _sse_payloads(raw: bytes) -> list[str]:
 
 
 def _assert_still_serving(server: ServerProcess) -> None:
-    r = _post(server, "/generate", {"text": "Hello", "sampling_params": GREEDY})
+    r = post(server, "/generate", {"text": "Hello", "sampling_params": GREEDY})
     assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 8
 
 
@@ -82,11 +74,11 @@ def test_health_and_info_endpoints(server: ServerProcess, model_dir: Path) -> No
 
 
 def test_generate_text_ids_batch_logprobs(server: ServerProcess) -> None:
-    one = _post(server, "/generate", {"text": "The capital of France is",
+    one = post(server, "/generate", {"text": "The capital of France is",
                                       "sampling_params": GREEDY}).json()
     assert len(one["output_ids"]) == 8
     assert one["meta_info"]["finish_reason"]["type"] in ("length", "stop")
-    batch = _post(server, "/generate", {
+    batch = post(server, "/generate", {
         "text": ["The capital of France is", "Once upon a time"], "sampling_params": GREEDY,
         "return_logprob": True, "top_logprobs_num": 2,
     }).json()
@@ -95,19 +87,19 @@ def test_generate_text_ids_batch_logprobs(server: ServerProcess) -> None:
     meta = batch[1]["meta_info"]
     assert [e[1] for e in meta["output_token_logprobs"]] == batch[1]["output_ids"]
     assert all(len(top) == 2 for top in meta["output_top_logprobs"])
-    ids = _post(server, "/generate", {"input_ids": [5, 6, 7], "rid": "my-rid",
+    ids = post(server, "/generate", {"input_ids": [5, 6, 7], "rid": "my-rid",
                                       "sampling_params": GREEDY}).json()
     assert ids["meta_info"]["id"] == "my-rid" and ids["meta_info"]["prompt_tokens"] == 3
 
 
 def test_generate_stream_sse(server: ServerProcess) -> None:
     body = {"text": "Once upon a time", "stream": True, "sampling_params": GREEDY}
-    r = _post(server, "/generate", body)
+    r = post(server, "/generate", body)
     assert r.headers["content-type"].startswith("text/event-stream")
     payloads = _sse_payloads(r.content)
     assert payloads[-1] == "[DONE]"
     chunks = [json.loads(p) for p in payloads[:-1]]
-    final = _post(server, "/generate", {**body, "stream": False}).json()
+    final = post(server, "/generate", {**body, "stream": False}).json()
     assert chunks[-1]["output_ids"] == final["output_ids"]
     assert chunks[-1]["meta_info"]["finish_reason"] is not None
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
@@ -119,7 +111,7 @@ def test_flush_cache_and_metrics(server: ServerProcess) -> None:
     for method in ("GET", "POST"):
         r = httpx.request(method, server.url + "/flush_cache", timeout=30)
         assert r.status_code == 200, r.text
-    _post(server, "/generate", {"text": "Hi", "stream": True, "sampling_params": GREEDY})
+    post(server, "/generate", {"text": "Hi", "stream": True, "sampling_params": GREEDY})
     text = httpx.get(server.url + "/metrics", timeout=30).text
     values = {line.split(" ")[0]: float(line.split(" ")[1])
               for line in text.splitlines() if line and not line.startswith("#")}
@@ -136,55 +128,51 @@ def _long_request(rid: str) -> dict[str, Any]:
 
 
 def _wait_running(server: ServerProcess, rid: str) -> None:
-    deadline = time.time() + 30
-    while rid not in _state(server)["running_batch_rids"]:
-        assert time.time() < deadline, "the request never started running"
-        time.sleep(0.05)
+    wait_for(lambda: rid in server_state(server)["running_batch_rids"])
 
 
 def test_abort_request(server: ServerProcess) -> None:
     result: dict[str, Any] = {}
     thread = threading.Thread(
-        target=lambda: result.update(_post(server, "/generate", _long_request("victim")).json()))
+        target=lambda: result.update(post(server, "/generate", _long_request("victim")).json()))
     thread.start()
     _wait_running(server, "victim")
-    r = _post(server, "/abort_request", {"rid": "victim"})
+    r = post(server, "/abort_request", {"rid": "victim"})
     assert r.json() == {"success": True, "num_aborted": 1}
     thread.join(30)
     assert result["meta_info"]["finish_reason"]["type"] == "abort"
     assert result["meta_info"]["completion_tokens"] < CONTEXT_LEN - 16
 
 
+def _wait_kv_freed(server: ServerProcess, initial: int) -> dict[str, Any]:
+    """Wait until nothing runs and ``initial`` KV tokens are free again; returns that state."""
+    deadline = time.monotonic() + 10
+    while (state := server_state(server))["running_batch_size"] or (
+        state["available_kv_tokens"] != initial
+    ):
+        assert time.monotonic() < deadline, f"KV not freed after the disconnect: {state}"
+        time.sleep(0.1)
+    return state
+
+
 def test_stream_disconnect_frees_kv(server: ServerProcess) -> None:
-    initial = _state(server)["available_kv_tokens"]
+    initial = server_state(server)["available_kv_tokens"]
     with httpx.stream("POST", server.url + "/generate", timeout=60,
                       json={**_long_request("dropped"), "stream": True}) as r:
         lines = r.iter_lines()
         for _ in range(3):
             assert next(lines).startswith("data: ")
             next(lines)  # the blank line ending the event
-        assert _state(server)["available_kv_tokens"] < initial  # it holds KV while streaming
-    deadline = time.time() + 10
-    while True:
-        state = _state(server)
-        if state["running_batch_size"] == 0 and state["available_kv_tokens"] == initial:
-            break
-        assert time.time() < deadline, f"KV not freed after the disconnect: {state}"
-        time.sleep(0.1)
+        assert server_state(server)["available_kv_tokens"] < initial  # it holds KV while streaming
+    state = _wait_kv_freed(server, initial)
     assert "dropped" not in state["running_batch_rids"]
 
 
 def test_non_stream_disconnect_frees_kv(server: ServerProcess) -> None:
-    initial = _state(server)["available_kv_tokens"]
+    initial = server_state(server)["available_kv_tokens"]
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(server.url + "/generate", json=_long_request("impatient"), timeout=2)
-    deadline = time.time() + 10
-    while True:
-        state = _state(server)
-        if state["running_batch_size"] == 0 and state["available_kv_tokens"] == initial:
-            break
-        assert time.time() < deadline, f"KV not freed after the disconnect: {state}"
-        time.sleep(0.1)
+    _wait_kv_freed(server, initial)
 
 
 # ---- bad input -----------------------------------------------------------------------------------
@@ -244,7 +232,7 @@ def test_openai_bad_input(client: openai.OpenAI, server: ServerProcess) -> None:
 
 # ---- OpenAI API ----------------------------------------------------------------------------------
 def test_openai_completions(client: openai.OpenAI, server: ServerProcess) -> None:
-    native = _post(server, "/generate", {"text": "Once upon a time",
+    native = post(server, "/generate", {"text": "Once upon a time",
                                          "sampling_params": GREEDY}).json()
     r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8,
                                   temperature=0, logprobs=1)

@@ -4,25 +4,23 @@ nothing scheduled while released, and no KV leaked."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 import torch
+from engine_test_utils import (
+    check_complete,
+    engine_state,
+    submit_greedy,
+    wait_for,
+    wait_loop_turns,
+    wait_running,
+)
 from server_test_utils import ServerProcess
-from test_engine_pause import _check_complete, _running, _state, _submit, _wait_for
-
-import sglang as sgl
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 PROMPT = [11, 22, 33, 44, 55]
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    with sgl.Engine(model_path=str(tiny_model_dir("llama")), random_seed=0) as eng:
-        yield eng
 
 
 @pytest.fixture(autouse=True)
@@ -35,17 +33,17 @@ def _resume_everything(engine):
 
 def test_release_all_then_resume_all_gives_the_same_outputs(engine) -> None:
     expected = engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
-    initial_kv = _state(engine)["available_kv_tokens"]
+    initial_kv = engine_state(engine)["available_kv_tokens"]
     out = engine.release_memory_occupation()
     assert out["success"] and out["released_tags"] == ["kv_cache", "weights", "cuda_graph"]
-    assert _state(engine)["memory_released_tags"] == ["cuda_graph", "kv_cache", "weights"]
-    assert _state(engine)["tree_cache_size"] == 0  # releasing the KV cache flushed it
+    assert engine_state(engine)["memory_released_tags"] == ["cuda_graph", "kv_cache", "weights"]
+    assert engine_state(engine)["tree_cache_size"] == 0  # releasing the KV cache flushed it
     # Idempotent: a second release changes nothing.
     assert engine.release_memory_occupation()["message"] == "Already released."
     out = engine.resume_memory_occupation()
     assert out["released_tags"] == [] and "reloaded" in out["message"]
     assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"] == expected
-    assert _state(engine)["available_kv_tokens"] == initial_kv
+    assert engine_state(engine)["available_kv_tokens"] == initial_kv
 
 
 def test_nothing_runs_while_released_and_queued_requests_finish_after(engine) -> None:
@@ -53,24 +51,25 @@ def test_nothing_runs_while_released_and_queued_requests_finish_after(engine) ->
     engine.release_memory_occupation(tags=["kv_cache"])
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(engine.generate, input_ids=PROMPT, sampling_params=GREEDY)
-        _wait_for(lambda: _state(engine)["waiting_queue_size"] == 1)
-        time.sleep(0.3)
-        assert not fut.done() and _state(engine)["running_batch_size"] == 0
+        wait_for(lambda: engine_state(engine)["waiting_queue_size"] == 1)
+        state = wait_loop_turns(lambda: engine_state(engine), 20)
+        assert not fut.done() and state["running_batch_size"] == 0
+        assert state["waiting_queue_size"] == 1
         engine.resume_memory_occupation(tags=["kv_cache"])
         assert fut.result(timeout=60)["output_ids"] == expected
 
 
 def test_release_is_refused_while_requests_hold_kv(engine) -> None:
     with ThreadPoolExecutor(4) as pool:
-        futs = _submit(engine, pool)
-        _running(engine)
+        futs = submit_greedy(engine, pool)
+        wait_running(lambda: engine_state(engine))
         engine.pause_generation(mode="in_place")
         with pytest.raises(RuntimeError, match="hold KV cache"):
             engine.release_memory_occupation()
-        assert _state(engine)["memory_released_tags"] == []
+        assert engine_state(engine)["memory_released_tags"] == []
         engine.continue_generation()
         for fut in futs:
-            _check_complete(fut.result(timeout=120))
+            check_complete(fut.result(timeout=120))
 
 
 def test_rl_cycle_retract_release_push_weights_resume_continue(engine) -> None:
@@ -78,11 +77,11 @@ def test_rl_cycle_retract_release_push_weights_resume_continue(engine) -> None:
     pushed between the two resumes are the ones used afterwards."""
     original = torch.tensor(engine.get_weights_by_name("lm_head.weight", truncate_size=10**6))
     with ThreadPoolExecutor(4) as pool:
-        futs = _submit(engine, pool)
-        _running(engine)
+        futs = submit_greedy(engine, pool)
+        wait_running(lambda: engine_state(engine))
         engine.pause_generation(mode="retract")
         engine.release_memory_occupation()
-        assert _state(engine)["waiting_queue_size"] == 4
+        assert engine_state(engine)["waiting_queue_size"] == 4
         with pytest.raises(ValueError, match="released"):
             engine.get_weights_by_name("lm_head.weight")
         engine.resume_memory_occupation(tags=["weights"])
@@ -94,7 +93,7 @@ def test_rl_cycle_retract_release_push_weights_resume_continue(engine) -> None:
         engine.continue_generation()
         for fut in futs:
             out = fut.result(timeout=120)
-            _check_complete(out)
+            check_complete(out)
             assert out["meta_info"]["weight_versions"][-1]["version"] == "v2"
 
 
@@ -112,7 +111,7 @@ def test_unknown_tag_is_a_value_error(engine) -> None:
         engine.release_memory_occupation(tags=["gpu"])
     with pytest.raises(ValueError, match="tags must be a list"):
         engine.resume_memory_occupation(tags="weights")
-    assert _state(engine)["memory_released_tags"] == []
+    assert engine_state(engine)["memory_released_tags"] == []
 
 
 def test_http_endpoints(tiny_model_dir) -> None:

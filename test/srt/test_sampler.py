@@ -1,4 +1,5 @@
-"""Sampler, seeded-noise contract, SamplingBatchInfo penalties and masks."""
+"""Sampler (the torch backend) vs the plain contract oracle, the seeded-noise contract,
+SamplingBatchInfo penalties and masks."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from sgl_kernel import sampling_torch
+from sgl_kernel.sampling_contract import sample_contract
 from sglang.srt.layers.sampler import (
     HASH_MUL1,
     HASH_MUL2,
@@ -59,9 +62,13 @@ HAND_PROBS = {4: 0.40, 1: 0.25, 6: 0.15, 0: 0.10, 7: 0.05, 2: 0.03, 3: 0.015, 5:
 HAND_LOGITS = torch.tensor([math.log(HAND_PROBS[v]) for v in range(8)], dtype=torch.float32)
 
 
-def sampled_set(params: dict, num_samples: int = 3000) -> set[int]:
+def sampled_set(params: dict, num_samples: int = 3000, oracle: bool = False) -> set[int]:
+    """Tokens drawn over many seeds by the Sampler, or by the contract oracle."""
     logits = HAND_LOGITS.repeat(num_samples, 1)
     reqs = [req(seed=i, position=i % 17, **params) for i in range(num_samples)]
+    if oracle:
+        out = sample_contract(logits, make_info(reqs, logits.shape[1]), False, None)
+        return set(out.next_token_ids.tolist())
     return set(sample(logits, reqs).next_token_ids.tolist())
 
 
@@ -105,21 +112,19 @@ def test_gumbel_noise_known_answers():
     assert noise == pytest.approx(expected, abs=1e-6)
 
 
-def reference_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
-    """The documented recipe, written with the int64 reference hash only."""
-    row_key = hash32((seed % 2**32) ^ hash32((position % 2**32) ^ POSITION_SALT))
-    bits = hash32(row_key ^ torch.arange(vocab_size, dtype=torch.int64))
-    u = ((bits >> 9).to(torch.float32) + 0.5) / 2**23
-    return -torch.log(-torch.log(u))
-
-
-def test_fast_noise_matches_reference_bit_for_bit():
+def test_fast_noise_matches_contract_bit_for_bit():
     rng = random.Random(0)
     seeds = [rng.getrandbits(64) - 2**63 for _ in range(6)] + [0, 2**32 - 1]
     positions = [rng.randrange(0, 2**31) for _ in range(6)] + [0, 5]
-    fast = gumbel_noise(torch.tensor(seeds), torch.tensor(positions), 4099)
+    seeds_t, positions_t = torch.tensor(seeds), torch.tensor(positions)
+    fast = sampling_torch.gumbel_noise(seeds_t, positions_t, 4099)
+    assert torch.equal(fast, gumbel_noise(seeds_t, positions_t, 4099))
+    # The contract's noise is the documented recipe, row by row with Python-int keys.
     for i, (s, p) in enumerate(zip(seeds, positions)):
-        assert torch.equal(fast[i], reference_noise(s, p, 4099))
+        row_key = hash32((s % 2**32) ^ hash32((p % 2**32) ^ POSITION_SALT))
+        bits = hash32(row_key ^ torch.arange(4099, dtype=torch.int64))
+        u = ((bits >> 9).to(torch.float32) + 0.5) / 2**23
+        assert torch.equal(fast[i], -torch.log(-torch.log(u)))
 
 
 def test_uniform_never_reaches_zero_or_one():
@@ -180,6 +185,7 @@ def test_greedy_is_argmax_and_top_k_one_is_greedy():
 )
 def test_allowed_sets(params: dict, allowed: set[int]):
     assert sampled_set(params) == allowed
+    assert sampled_set(params, num_samples=1500, oracle=True) == allowed
 
 
 @pytest.mark.parametrize("top_k", [-1, 7])
@@ -226,28 +232,8 @@ def test_token_independent_of_batch_composition():
     assert sample(logits[:5], reqs[:5]).next_token_ids.tolist() == full[:5].tolist()
 
 
-def reference_sample(logits: torch.Tensor, params: dict, seed: int, position: int) -> int:
-    """The documented semantics, written plainly (full sort, float64 probabilities)."""
-    temperature, top_k = params["temperature"], params["top_k"]
-    if temperature == 0 or top_k == 1:
-        return int(logits.argmax())
-    x = logits / temperature
-    probs = torch.softmax(x.double(), dim=-1)
-    order = torch.argsort(x, descending=True, stable=True)
-    cum_before = torch.cumsum(probs[order], 0) - probs[order]
-    keep = torch.ones_like(cum_before, dtype=torch.bool)
-    if params["top_p"] < 1:
-        keep &= cum_before < params["top_p"]
-    if top_k > 0:
-        keep[top_k:] = False
-    keep &= probs[order] >= params["min_p"] * probs.max()
-    threshold = x[order][keep].min()
-    scores = x + reference_noise(seed, position, x.shape[0])
-    return int(torch.where(x >= threshold, scores, float("-inf")).argmax())
-
-
 @pytest.mark.parametrize("vocab", [37, 3000])
-def test_matches_plain_reference(vocab: int):
+def test_matches_contract(vocab: int):
     # vocab 3000 with flat logits forces nuclei beyond the top-p prefix (full-sort fallback).
     rng = random.Random(vocab)
     torch.manual_seed(vocab)
@@ -264,9 +250,13 @@ def test_matches_plain_reference(vocab: int):
     seeds = [rng.getrandbits(40) for _ in range(40)]
     positions = [rng.randrange(1, 5000) for _ in range(40)]
     reqs = [req(seed=s, position=p, **r) for r, s, p in zip(rows, seeds, positions)]
-    got = sample(logits, reqs).next_token_ids.tolist()
-    for i in range(40):
-        assert got[i] == reference_sample(logits[i], rows[i], seeds[i], positions[i]), i
+    info = make_info(reqs, vocab)
+    want = sample_contract(logits, info, True, [3] * 40)
+    got = Sampler().forward(logits.clone(), info, True, [3] * 40)
+    assert got.next_token_ids.tolist() == want.next_token_ids.tolist()
+    assert len(set(got.next_token_ids.tolist())) > 10  # not vacuous: the rows do sample
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.top_logprobs_val, want.top_logprobs_val)
 
 
 def test_resubmission_continues_identically():

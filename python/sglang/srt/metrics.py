@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -21,6 +21,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.tokenizer_manager_protocol import TokenizerManagerProtocol
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +108,9 @@ class ServerMetrics:
     def new_request(self, stream: bool) -> RequestTracker:
         return RequestTracker(self, stream)
 
-    async def refresh(self, tokenizer_manager: Any, max_total_tokens: int | None) -> None:
+    async def refresh(
+        self, tokenizer_manager: TokenizerManagerProtocol, max_total_tokens: int | None
+    ) -> None:
         """Update the gauges from the scheduler's internal state (one round trip)."""
         states = await tokenizer_manager.get_internal_state()
         state = states[0] if states else {}

@@ -36,7 +36,10 @@ class ServerArgs:
     """Every option of the server and of ``sglang.Engine``.
 
     ``__post_init__`` resolves the automatic defaults (device, backends, seed) and rejects
-    values we cannot honour with a ``ValueError`` that names the option.
+    values we cannot honour with a ``ValueError`` that names the option. Fields whose default
+    is None but whose type is not Optional (tokenizer_path, served_model_name, device,
+    chunked_prefill_size, attention_backend, sampling_backend, random_seed) mean "resolve
+    automatically": after construction they always hold a value, so readers need no None check.
     """
 
     # Model and tokenizer
@@ -46,7 +49,7 @@ class ServerArgs:
         aliases=("--model",),
         required=True,
     )
-    tokenizer_path: str | None = _arg(None, "Path of the tokenizer; defaults to --model-path.")
+    tokenizer_path: str = _arg(None, "Path of the tokenizer; defaults to --model-path.")
     skip_tokenizer_init: bool = _arg(
         False, "Do not load a tokenizer: requests must pass input_ids and get output_ids only."
     )
@@ -67,13 +70,13 @@ class ServerArgs:
     context_length: int | None = _arg(
         None, "Maximum sequence length (prompt + output). Defaults to the model config's."
     )
-    served_model_name: str | None = _arg(
+    served_model_name: str = _arg(
         None, "Model name reported by /v1/models and in responses; defaults to --model-path."
     )
     chat_template: str | None = _arg(
         None, "A Jinja chat template file to use instead of the tokenizer's own."
     )
-    device: str | None = _arg(None, "cpu or cuda; defaults to cuda when available, else cpu.")
+    device: str = _arg(None, "cpu or cuda; defaults to cuda when available, else cpu.")
 
     # HTTP server
     host: str = _arg("127.0.0.1", "Host to bind the HTTP server to.")
@@ -101,7 +104,7 @@ class ServerArgs:
     max_prefill_tokens: int = _arg(
         16384, "Maximum number of prompt tokens prefilled in one forward pass."
     )
-    chunked_prefill_size: int | None = _arg(
+    chunked_prefill_size: int = _arg(
         None,
         "Split prompts longer than this into chunks prefilled step by step "
         "(default 8192; -1 disables chunking).",
@@ -127,14 +130,14 @@ class ServerArgs:
     )
 
     # Backends
-    attention_backend: str | None = _arg(
+    attention_backend: str = _arg(
         None,
         "Attention kernel: torch_native (SDPA over gathered KV; the default on CPU) or triton "
         "(per-query paged Triton kernel, batch-invariant; the default on CUDA; on CPU only "
         "with TRITON_INTERPRET=1). flashinfer is not built yet.",
         choices=_ATTENTION_BACKENDS,
     )
-    sampling_backend: str | None = _arg(
+    sampling_backend: str = _arg(
         None,
         "Sampler: pytorch (torch reference, default on CPU) or triton (fused kernel, default on "
         "CUDA; on CPU only with TRITON_INTERPRET=1).",
@@ -143,7 +146,7 @@ class ServerArgs:
     enable_deterministic_inference: bool = _arg(
         False, "Batch-invariant kernels: the same tokens whatever the batch, chunking or cache."
     )
-    random_seed: int | None = _arg(
+    random_seed: int = _arg(
         None, "Seed of the engine; requests without sampling_seed derive theirs from it."
     )
     tp_size: int = _arg(1, "Tensor-parallel size (only 1 is supported for now).")

@@ -1,7 +1,7 @@
 """Fused sampling kernel (Triton): next token, chosen logprob and entropy of each row.
 
 One program per row of the logits [B, V] (float32, bfloat16 or float16, any row stride;
-columns contiguous). It reproduces :func:`sgl_kernel.sampling_reference.sample_reference`:
+columns contiguous). It reproduces :func:`sgl_kernel.sampling_contract.sample_contract`:
 the same noise bits (docs/sampling.md), the same allowed set {x >= t} per row, the same token,
 and the entropy definitions of docs/entropy.md. Nothing of size [B, V] is written: each pass
 below streams the row in tiles and keeps a few scalars per row.
@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_kernel.sampling_reference import (
+from sgl_kernel.sampling_contract import (
     HASH_MUL1,
     HASH_MUL2,
     POSITION_SALT,
@@ -398,7 +398,7 @@ def sample_triton(
     top_logprobs_nums: list[int] | None,
     entropy: EntropyPlan | None = None,
 ) -> SampleOutput:
-    """The ``triton`` sampling backend: same contract and results as ``sample_reference``.
+    """The ``triton`` sampling backend: same contract and results as ``sample_contract``.
 
     ``logits`` [B, V] float32/bfloat16/float16 on CUDA (or on CPU under TRITON_INTERPRET=1),
     any row stride. Reads ``logits`` once per pass and mutates nothing; writes [B] outputs.

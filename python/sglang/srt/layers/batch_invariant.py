@@ -18,12 +18,28 @@ one-row-per-program RMSNorm (CUDA's own reductions pick their strategy from the 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 ROW_BLOCK = 32
 MKL_STRICT_REPRODUCIBILITY = "AUTO,STRICT"
+
+
+@runtime_checkable
+class LinearHook(Protocol):
+    """A module whose matrix product is swappable: ``linear_fn(x, weight, bias)``."""
+
+    linear_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+@runtime_checkable
+class NormHook(Protocol):
+    """A module whose RMSNorm is swappable: ``norm_fn(x, weight, eps)``."""
+
+    norm_fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 def pin_cpu_blas_numerics() -> None:
@@ -75,9 +91,9 @@ def enable_batch_invariant_mode(model: nn.Module, kernels: str = "torch") -> int
         linear_fn, norm_fn = matmul_batch_invariant, rms_norm_batch_invariant
     count = 0
     for module in model.modules():
-        if hasattr(module, "linear_fn"):
+        if isinstance(module, LinearHook):
             module.linear_fn = linear_fn
             count += 1
-        if norm_fn is not None and hasattr(module, "norm_fn"):
+        if norm_fn is not None and isinstance(module, NormHook):
             module.norm_fn = norm_fn
     return count

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang.srt.layers.linear import default_weight_loader
+from sglang.srt.layers.linear import default_weight_loader, set_weight_loader
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
         self.hidden_size = hidden_size
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
+        set_weight_loader(self.weight, default_weight_loader)
         # (x, weight, eps) -> normalised x; deterministic mode on CUDA swaps in a Triton kernel.
         self.norm_fn = rms_norm
 

@@ -1,6 +1,7 @@
 """Dense linear layers whose parameters know how to load checkpoint tensors.
 
-Every parameter carries ``param.weight_loader(param, loaded_weight, shard_id=None)``. Fused
+Every parameter carries a :class:`WeightLoader`, attached by :func:`set_weight_loader` and read
+back by :func:`get_weight_loader`: ``loader(param, loaded_weight, shard_id=None)``. Fused
 layers (QKV, gate/up) own one weight whose rows are split into named shards; the loader copies
 a checkpoint tensor into its shard's rows::
 
@@ -16,11 +17,24 @@ Single-device only: tensor-parallel sharding would split these rows further per 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# The attribute of a parameter that holds its loader (the name upstream's loaders also read).
+_WEIGHT_LOADER_ATTR = "weight_loader"
+
+
+class WeightLoader(Protocol):
+    """Copies a checkpoint tensor into ``param`` in place (``shard_id``: which rows of a fused
+    parameter; None for a whole tensor). Raises ValueError on a shape or shard mismatch."""
+
+    def __call__(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Hashable | None = None
+    ) -> None: ...
 
 
 def default_weight_loader(
@@ -39,6 +53,19 @@ def default_weight_loader(
         )
     with torch.no_grad():
         param.copy_(loaded_weight)
+
+
+def set_weight_loader(param: torch.Tensor, loader: WeightLoader) -> None:
+    """Attach ``loader`` to ``param`` (a tensor takes extra Python attributes; its static type
+    does not declare them, hence this typed accessor pair)."""
+    setattr(param, _WEIGHT_LOADER_ATTR, loader)
+
+
+def get_weight_loader(param: torch.Tensor) -> WeightLoader:
+    """The loader attached to ``param`` by :func:`set_weight_loader`, else
+    :func:`default_weight_loader`."""
+    loader: WeightLoader = getattr(param, _WEIGHT_LOADER_ATTR, default_weight_loader)
+    return loader
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -99,14 +126,14 @@ class ReplicatedLinear(nn.Module):
         # The product used by forward(); deterministic mode swaps in batch_invariant_linear.
         self.linear_fn = linear
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self._make_loader()
+        set_weight_loader(self.weight, self._make_loader())
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = self._make_loader()
+            set_weight_loader(self.bias, self._make_loader())
         else:
             self.register_parameter("bias", None)
 
-    def _make_loader(self) -> Callable[..., None]:
+    def _make_loader(self) -> WeightLoader:
         """The weight_loader given to this layer's parameters (fused subclasses override it)."""
         return default_weight_loader
 
@@ -126,7 +153,9 @@ class MergedLinear(ReplicatedLinear):
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
         self.output_sizes = list(output_sizes)
         offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
-        self._shards = {i: (offsets[i], size) for i, size in enumerate(self.output_sizes)}
+        self._shards: dict[Hashable, tuple[int, int]] = {
+            i: (offsets[i], size) for i, size in enumerate(self.output_sizes)
+        }
         super().__init__(in_features, sum(self.output_sizes), bias)
 
     def _make_loader(self) -> _ShardLoader:
@@ -153,7 +182,7 @@ class QKVLinear(ReplicatedLinear):
         self.num_kv_heads = num_kv_heads
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
-        self._shards = {
+        self._shards: dict[Hashable, tuple[int, int]] = {
             "q": (0, self.q_size),
             "k": (self.q_size, self.kv_size),
             "v": (self.q_size + self.kv_size, self.kv_size),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ class LogitsProcessor(nn.Module):
         self.linear_fn = linear
         # log Z of prompt-logprob rows: the model runner sets the sampling backend's own
         # (get_logsumexp), so that prompt logprobs equal decode logprobs bit for bit.
-        self.logsumexp_fn = row_logsumexp
+        self.logsumexp_fn: Callable[[torch.Tensor], torch.Tensor] = row_logsumexp
 
     def _logits(self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         # The matmul runs in the model dtype (as HF does); sampling math is float32 from here on.
@@ -83,7 +84,7 @@ class LogitsProcessor(nn.Module):
         """Set ``output.input_*`` from ``forward_batch.input_logprob_rows/targets`` (in place)."""
         rows = forward_batch.input_logprob_rows
         targets = forward_batch.input_logprob_targets
-        if targets is None or targets.shape != rows.shape:
+        if rows is None or targets is None or targets.shape != rows.shape:
             raise ValueError("input_logprob_targets must be given with the same shape as rows")
         top_k = min(forward_batch.input_top_logprobs_num, lm_head_weight.shape[0])
         chunk = max(1, _LOGPROB_CHUNK_ELEMENTS // lm_head_weight.shape[0])

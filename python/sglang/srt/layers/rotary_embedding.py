@@ -141,8 +141,8 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq.to(torch.float32)[None, :]
         # [max_position, rotary_dim]: cos in the first half of each row, sin in the second.
         self._cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_scaling
-        self._last_positions: torch.Tensor | None = None
-        self._last_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (positions, (cos, sin) at them) of the last call: every layer passes the same tensor.
+        self._last: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def _cache_on(self, device: torch.device) -> torch.Tensor:
         if self._cos_sin.device != device:
@@ -163,11 +163,11 @@ class RotaryEmbedding(nn.Module):
     def _cos_sin_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[T, 1, rotary_dim/2]`` at ``positions``, computed once per forward:
         every layer passes the same ``positions`` tensor, so the last result is reused."""
-        if positions is not self._last_positions:
+        if self._last is None or positions is not self._last[0]:
             cos_sin = self._cache_on(positions.device).index_select(0, positions)
-            self._last_positions = positions
-            self._last_cos_sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
-        return self._last_cos_sin
+            cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
+            self._last = (positions, (cos, sin))
+        return self._last[1]
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

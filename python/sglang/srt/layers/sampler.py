@@ -1,10 +1,11 @@
 """Sampling backends, registered by name and imported lazily.
 
-``pytorch`` is the torch reference (:mod:`sgl_kernel.sampling_reference`, the CPU default),
+``pytorch`` is the tuned torch sampler (:mod:`sgl_kernel.sampling_torch`, the CPU default),
 ``triton`` the fused kernel (:mod:`sgl_kernel.sampling`, the CUDA default). Both implement the
-counter-based seeded-noise contract of docs/sampling.md and the entropy definitions of
-docs/entropy.md, and choose the same tokens for the same logits and seeds. The contract's
-public helpers are re-exported here.
+contract of :mod:`sgl_kernel.sampling_contract` (the counter-based seeded noise of
+docs/sampling.md, the entropy definitions of docs/entropy.md) and choose the same tokens as
+its plain oracle for the same logits and seeds. The contract's public helpers, and the row
+logsumexp of the torch backend, are re-exported here.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from sgl_kernel.sampling_reference import (
+from sgl_kernel.sampling_contract import (
     ENTROPY_MODES,
     HASH_MUL1,
     HASH_MUL2,
@@ -26,8 +27,8 @@ from sgl_kernel.sampling_reference import (
     gumbel_noise,
     hash32,
     noise_row_keys,
-    row_logsumexp,
 )
+from sgl_kernel.sampling_torch import row_logsumexp
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 __all__ = [
@@ -56,7 +57,7 @@ SampleFn = Callable[
 # name -> (module, sampling function, its logsumexp); imported on first use so that `triton`
 # is only loaded when asked.
 _BACKENDS: dict[str, tuple[str, str, str]] = {
-    "pytorch": ("sgl_kernel.sampling_reference", "sample_reference", "row_logsumexp"),
+    "pytorch": ("sgl_kernel.sampling_torch", "sample_torch", "row_logsumexp"),
     "triton": ("sgl_kernel.sampling", "sample_triton", "row_logsumexp_triton"),
 }
 SAMPLING_BACKENDS = tuple(_BACKENDS)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang.srt.layers.linear import default_weight_loader
+from sglang.srt.layers.linear import default_weight_loader, set_weight_loader
 
 
 class VocabEmbedding(nn.Module):
@@ -17,7 +17,7 @@ class VocabEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
+        set_weight_loader(self.weight, default_weight_loader)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings ``[*input_ids.shape, embedding_dim]``; ids must be in range."""

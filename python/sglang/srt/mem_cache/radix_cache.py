@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Iterator
 
 import torch
 
@@ -191,27 +192,34 @@ class RadixCache(BasePrefixCache):
     def lock(self, handle: object) -> None:
         node = self._as_node(handle)
         _check(self._root_of(node) is self._root, "lock of a handle invalidated since its match")
-        while node is not self._root:
-            if node.lock_ref == 0:
-                self._evictable_size -= len(node.key)
-                self._protected_size += len(node.key)
-            node.lock_ref += 1
-            self._refresh_leaf_state(node)
-            node = node.parent
+        for path_node in self._path_up(node):
+            if path_node.lock_ref == 0:
+                self._evictable_size -= len(path_node.key)
+                self._protected_size += len(path_node.key)
+            path_node.lock_ref += 1
+            self._refresh_leaf_state(path_node)
 
     def unlock(self, handle: object) -> None:
         node = self._as_node(handle)
         if self._root_of(node) is not self._root:
             self._unlock_stale(node)
             return
+        for path_node in self._path_up(node):
+            _check(path_node.lock_ref > 0, f"unlock of an unlocked node {path_node}")
+            path_node.lock_ref -= 1
+            if path_node.lock_ref == 0:
+                self._evictable_size += len(path_node.key)
+                self._protected_size -= len(path_node.key)
+            self._refresh_leaf_state(path_node)
+
+    def _path_up(self, node: _Node) -> Iterator[_Node]:
+        """``node``, its parent, ... up to the live root (excluded). Precondition: ``node`` is
+        under the live root. Yields lazily: callers may mutate each node as it comes."""
         while node is not self._root:
-            _check(node.lock_ref > 0, f"unlock of an unlocked node {node}")
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self._evictable_size += len(node.key)
-                self._protected_size -= len(node.key)
-            self._refresh_leaf_state(node)
-            node = node.parent
+            yield node
+            parent = node.parent
+            assert parent is not None, f"{node} is not under the live root"
+            node = parent
 
     def _as_node(self, handle: object) -> _Node:
         if not isinstance(handle, _Node):

@@ -13,7 +13,7 @@ import torch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.attention import get_attention_backend_class
 from sglang.srt.layers.batch_invariant import enable_batch_invariant_mode
-from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.sampler import get_logsumexp
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -73,7 +73,7 @@ class ModelRunner:
         self.attn_backend = get_attention_backend_class(backend)()
         logsumexp = get_logsumexp(server_args.sampling_backend)
         for module in self.model.modules():
-            if hasattr(module, "logsumexp_fn"):
+            if isinstance(module, LogitsProcessor):
                 module.logsumexp_fn = logsumexp
         logger.info(
             "KV pool: %d tokens (%.1f MiB), max running requests %d",

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 from collections.abc import Iterable, Iterator
+from typing import Protocol, runtime_checkable
 
 import torch
 from tqdm import tqdm
@@ -32,6 +33,23 @@ logger = logging.getLogger(__name__)
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _BIN_INDEX = "pytorch_model.bin.index.json"
 _DUMMY_SEED = 1234  # fixed so that every TP rank and every run draws the same dummy weights
+
+
+@runtime_checkable
+class WeightLoadable(Protocol):
+    """A model that places HF-named checkpoint tensors into its parameters, in place: a name
+    it has no parameter for is a ValueError, and so is, with ``strict``, an unfilled one."""
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True
+    ) -> None: ...
+
+
+def as_weight_loadable(model: torch.nn.Module) -> WeightLoadable:
+    """``model`` itself, typed as :class:`WeightLoadable`; TypeError when it is not one."""
+    if not isinstance(model, WeightLoadable):
+        raise TypeError(f"{type(model).__name__} has no load_weights method")
+    return model
 
 
 @contextlib.contextmanager
@@ -133,7 +151,7 @@ def iterate_weights(
         raise ValueError("load_format='dummy' has no weight files to iterate")
     if load_format not in ("auto", "safetensors", "gguf"):
         raise ValueError(f"unknown load_format {load_format!r}")
-    if model_config.is_gguf and load_format in ("auto", "gguf"):
+    if model_config.gguf_file is not None and load_format in ("auto", "gguf"):
         return iterate_gguf(model_config.gguf_file, dtype, progress)
     model_dir = model_config.model_path
     files = find_safetensors_files(model_dir)
@@ -172,7 +190,8 @@ def load_weights_into(
     """Stream checkpoint weights (``iterate_weights(model_config)`` unless ``weights`` is
     given) into ``model.load_weights``; this mutates the model's parameters in place."""
     with torch.no_grad():
-        model.load_weights(iterate_weights(model_config) if weights is None else weights)
+        loadable = as_weight_loadable(model)
+        loadable.load_weights(iterate_weights(model_config) if weights is None else weights)
 
 
 def get_model(model_config: ModelConfig, device: str) -> torch.nn.Module:

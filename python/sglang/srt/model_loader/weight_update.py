@@ -25,6 +25,7 @@ from torch import nn
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.model_loader.loader import (
     _default_dtype,
+    as_weight_loadable,
     find_safetensors_files,
     iterate_weights,
 )
@@ -115,9 +116,10 @@ def _meta_like(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.
 def validate_checkpoint(meta_model: nn.Module, model_config: ModelConfig) -> None:
     """Dry-run a full load of ``model_config``'s checkpoint into ``meta_model`` (strict: every
     parameter must be filled). Raises WeightUpdateError with the first problem found."""
+    loadable = as_weight_loadable(meta_model)
     try:
         with torch.no_grad():
-            meta_model.load_weights(checkpoint_shapes(model_config, model_config.dtype))
+            loadable.load_weights(checkpoint_shapes(model_config, model_config.dtype))
     except (ValueError, KeyError, TypeError, RuntimeError, OSError) as e:
         raise WeightUpdateError(f"the checkpoint at {model_config.model_path!r}: {e}") from e
 
@@ -151,7 +153,7 @@ def load_checkpoint(model: nn.Module, model_config: ModelConfig) -> None:
     """Stream ``model_config``'s checkpoint into ``model`` in place (progress bar on).
     Precondition: :func:`validate_checkpoint` passed for it."""
     with torch.no_grad():
-        model.load_weights(iterate_weights(model_config, model_config.dtype))
+        as_weight_loadable(model).load_weights(iterate_weights(model_config, model_config.dtype))
     _after_loading(model)
 
 
@@ -176,7 +178,7 @@ def _apply_tensors(
                     raise WeightUpdateError(f"no parameter named {name!r}")
                 _copy_whole(params[name], tensor, name)
         else:
-            model.load_weights(named_tensors, strict=False)
+            as_weight_loadable(model).load_weights(named_tensors, strict=False)
 
 
 def _copy_whole(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:

@@ -23,7 +23,12 @@ from transformers import PretrainedConfig
 
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.layernorm import RMSNorm
-from sglang.srt.layers.linear import MergedLinear, QKVLinear, ReplicatedLinear
+from sglang.srt.layers.linear import (
+    MergedLinear,
+    QKVLinear,
+    ReplicatedLinear,
+    get_weight_loader,
+)
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_params_from_config
@@ -235,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(param_name)
             if param is None:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
-            param.weight_loader(param, tensor, shard_id)
+            get_weight_loader(param)(param, tensor, shard_id)
             loaded.setdefault(param_name, set()).add(shard_id)
         if strict:
             self._check_all_loaded(params, loaded)

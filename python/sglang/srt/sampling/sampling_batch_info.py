@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from sgl_kernel.sampling_reference import (
+from sgl_kernel.sampling_contract import (
     ENTROPY_MODE_CODES,
     ENTROPY_MODES,
     EntropyGroup,

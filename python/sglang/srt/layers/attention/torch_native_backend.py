@@ -215,10 +215,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         self, q: torch.Tensor, plan: MirrorPlan, layer: RadixAttention
     ) -> torch.Tensor:
         """One SDPA call per mirror bucket; ``q`` and the result are in batch order."""
-        self._mirror.fill(layer.layer_id, plan)
+        mirror = self._mirror
+        assert mirror is not None, "a MirrorPlan is only built with its mirror"
+        mirror.fill(layer.layer_id, plan)
         out = None
         for step in plan.steps:
-            keys, values = self._mirror.keys_values(layer.layer_id, step)
+            keys, values = mirror.keys_values(layer.layer_id, step)
             step_q = q if step.batch_rows is None else q.index_select(0, step.batch_rows)
             step_out = _sdpa_decode(step_q, keys, values, step.mask, layer)
             if step.batch_rows is None:  # the whole batch, in batch order
@@ -226,6 +228,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             if out is None:
                 out = torch.empty_like(q)
             out.index_copy_(0, step.batch_rows, step_out)
+        assert out is not None, "a plan's steps cover every batch row"
         return out
 
     @staticmethod

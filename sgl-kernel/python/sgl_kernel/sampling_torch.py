@@ -1,31 +1,33 @@
-"""Torch reference sampler: the counter-based seeded-noise contract, truncation and entropy.
+"""The ``pytorch`` sampling backend: the tuned torch sampler the engine uses on CPU.
 
-This module is the one implementation of the sampling contract in torch (the ``pytorch``
-sampling backend, the CPU default). The fused Triton kernel in :mod:`sgl_kernel.sampling`
-reproduces it: the same noise bits up to ``u``, the same allowed set per row, the same tokens.
-The exact recipe (constants, bit layout, float steps) is specified in docs/sampling.md, the
-entropy definitions in docs/entropy.md. Changing anything here changes every seeded output:
-the known-answer tests in test/srt/test_sampler.py exist to catch that.
+It implements the contract of :mod:`sgl_kernel.sampling_contract` (docs/sampling.md, the
+entropy definitions of docs/entropy.md) and must choose the same tokens as its oracle
+:func:`~sgl_kernel.sampling_contract.sample_contract`, tested in test/srt/test_sampler.py and
+test/srt/test_entropy_kernel.py. What differs is cost: whole-batch tensor ops, noise drawn
+only where it can matter, top-k prefixes instead of full sorts, and reductions in a fixed
+order so that every value is bitwise independent of the batch.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, TypeVar
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-MASK32 = 0xFFFFFFFF
-# Multipliers of the two-round xorshift-multiply hash (odd, < 2**31: x * M < 2**63 for any
-# 32-bit x, so int64 torch arithmetic never overflows). Shift amounts are 16, 15, 15.
-HASH_MUL1 = 0x21F0AAAD
-HASH_MUL2 = 0x735A2D97
-# XORed into the position before hashing so that position p and seed p do not collide.
-POSITION_SALT = 0x9E3779B9
-# u = ((bits >> 9) + 0.5) * 2**-23: 23 bits keep every step exact in float32 (u in (0, 1)).
-UNIFORM_SHIFT = 9
-_UNIFORM_BITS_MASK = 0x7FFFFF
-UNIFORM_SCALE = 2.0**-23
+from sgl_kernel.sampling_contract import (
+    HASH_MUL1,
+    HASH_MUL2,
+    UNIFORM_SCALE,
+    UNIFORM_SHIFT,
+    EntropyGroup,
+    EntropyPlan,
+    SampleOutput,
+    SamplingRows,
+    noise_row_keys,
+)
+
+_UNIFORM_BITS_MASK = 0x7FFFFF  # the 23 bits of u after the shift
 # CPU: the noise is generated in row chunks of about this many elements to stay in L2 cache.
 _CPU_CHUNK_ELEMS = 1 << 19
 # Top-p rows without top-k first look for their nucleus among this many largest logits and
@@ -34,83 +36,9 @@ _TOP_P_PREFIX_LEN = 256
 # Row sums add chunks of this many columns: below ATen's parallel grain (32768), so each chunk
 # is always reduced by a single thread in a fixed order.
 _SUM_CHUNK = 4096
-# Entropy modes (docs/entropy.md) and their codes in the per-row tensor the kernel reads.
-ENTROPY_MODES = ("raw", "scaled", "sampled")
-ENTROPY_MODE_CODES = {"raw": 1, "scaled": 2, "sampled": 3}  # 0: the row wants no entropy
-
-_IntLike = TypeVar("_IntLike", int, torch.Tensor)
 
 
-class SampleOutput(NamedTuple):
-    next_token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor | None  # [B] float32: log_softmax(logits / T)[chosen]
-    top_logprobs_val: torch.Tensor | None  # [B, K] float32, descending
-    top_logprobs_idx: torch.Tensor | None  # [B, K] int64
-    entropies: torch.Tensor | None = None  # [B] float32; 0 in rows that asked for none
-
-
-class EntropyGroup(NamedTuple):
-    """Rows sharing one entropy definition: ``mode`` in ENTROPY_MODES, ``top_k`` 0 for the
-    full vocabulary (else < V), ``rows`` [E] int64 batch rows, None for the whole batch."""
-
-    mode: str
-    top_k: int
-    rows: torch.Tensor | None
-
-
-class EntropyPlan(NamedTuple):
-    """Which rows of a batch want entropy, and under which definition (docs/entropy.md)."""
-
-    modes: torch.Tensor  # [B] int32 ENTROPY_MODE_CODES; 0: the row wants no entropy
-    top_ks: torch.Tensor  # [B] int64: 0 = full vocabulary, else the K of the top-k variant
-    groups: tuple[EntropyGroup, ...]  # the same, grouped on the host (no device sync)
-
-
-class SamplingRows(Protocol):
-    """What the samplers read per batch (``SamplingBatchInfo`` provides it); [B] tensors."""
-
-    vocab_size: int
-    temperatures: torch.Tensor  # float32; temperature-0 rows hold 1.0
-    top_ks: torch.Tensor  # int64; disabled stored as vocab_size
-    top_ps: torch.Tensor  # float32
-    min_ps: torch.Tensor  # float32
-    seeds: torch.Tensor  # int64
-    positions: torch.Tensor  # int64: absolute position of the token sampled next
-    is_greedy: torch.Tensor  # bool
-    sampled_rows: torch.Tensor | None  # non-greedy rows; None when all rows sample
-    is_all_greedy: bool
-    unit_temperature: bool  # every row's (stored) temperature is 1.0
-    need_top_k: bool
-    need_top_p: bool
-    need_min_p: bool
-    top_p_without_top_k: bool
-    max_top_k: int
-
-
-# ---- the noise contract ---------------------------------------------------------------------
-
-
-def hash32(x: _IntLike) -> _IntLike:
-    """The contract hash: a 32-bit mixer, ``x`` in [0, 2**32) -> [0, 2**32).
-
-    Works on Python ints and on int64 tensors (elementwise, returns a new tensor). This is the
-    reference definition; :func:`gumbel_noise` uses a faster int32 form with identical bits.
-    """
-    x = x ^ (x >> 16)
-    x = (x * HASH_MUL1) & MASK32
-    x = x ^ (x >> 15)
-    x = (x * HASH_MUL2) & MASK32
-    return x ^ (x >> 15)
-
-
-def noise_row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``hash32((seed mod 2**32) ^ hash32((position mod 2**32) ^ POSITION_SALT))``.
-
-    ``seeds``, ``positions``: [B] int64 (any value; reduced mod 2**32, two's complement).
-    Returns [B] int64 in [0, 2**32).
-    """
-    pos_hash = hash32((positions & MASK32) ^ POSITION_SALT)
-    return hash32((seeds & MASK32) ^ pos_hash)
+# ---- the noise ----------------------------------------------------------------------------
 
 
 def _to_int32_bits(x: torch.Tensor) -> torch.Tensor:
@@ -123,7 +51,7 @@ def _neg_gumbel_from_keys(row_keys: torch.Tensor, vocab_ids: torch.Tensor) -> to
     ``x - (-g)`` is bitwise ``x + g`` and saves a pass).
 
     ``row_keys``: [b] int64 from :func:`noise_row_keys`; ``vocab_ids``: [V] or [b, K] int64.
-    Returns [b, V] or [b, K]. Computes :func:`hash32` on int32 bit patterns, whose
+    Returns [b, V] or [b, K]. Computes the contract's ``hash32`` on int32 bit patterns, whose
     multiplication wraps mod 2**32 (half the memory traffic of int64, about 1.3x faster on
     CPU); ``>>`` on int32 is arithmetic, so shifted values are masked into logical shifts.
     """
@@ -144,8 +72,8 @@ def _neg_gumbel_from_keys(row_keys: torch.Tensor, vocab_ids: torch.Tensor) -> to
 
 
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The seeded noise of the contract: [B, vocab_size] float32, row i from (seeds[i],
-    positions[i]) only. ``seeds``/``positions``: [B] int64 on the target device."""
+    """:func:`sgl_kernel.sampling_contract.gumbel_noise` bit for bit, in the int32 form:
+    [B, vocab_size] float32. ``seeds``/``positions``: [B] int64 on the target device."""
     vocab_ids = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
     return _neg_gumbel_from_keys(noise_row_keys(seeds, positions), vocab_ids).neg_()
 
@@ -153,7 +81,7 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
 # ---- the sampler ----------------------------------------------------------------------------
 
 
-def sample_reference(
+def sample_torch(
     logits: torch.Tensor,
     info: SamplingRows,
     return_logprob: bool,
@@ -179,7 +107,7 @@ def sample_reference(
         scaled = logits / info.temperatures[:, None]
         if return_logprob or info.need_top_p:
             stats = row_softmax_stats(scaled, _whole_batch_needs_scaled_entropy(groups, info))
-        next_ids, thr = _sample(logits, scaled, _log_z(stats), info)
+        next_ids, thr = _sample(logits, scaled, None if stats is None else _log_z(stats), info)
     if scaled is None and need_scaled:
         # Greedy rows: temperature 0 is stored as 1 (x / 1 == x); top_k = 1 keeps its T.
         scaled = logits / info.temperatures[:, None]
@@ -217,10 +145,11 @@ def row_softmax_stats(x: torch.Tensor, with_entropy: bool) -> SoftmaxStats:
     if x.device.type != "cpu" or num_rows <= step:
         return _softmax_stats(x, with_entropy)
     parts = [_softmax_stats(x[i : i + step], with_entropy) for i in range(0, num_rows, step)]
+    devs = [p.sum_exp_dev for p in parts if p.sum_exp_dev is not None]
     return SoftmaxStats(
         torch.cat([p.row_max for p in parts]),
         torch.cat([p.sum_exp for p in parts]),
-        torch.cat([p.sum_exp_dev for p in parts]) if with_entropy else None,
+        torch.cat(devs) if with_entropy else None,
     )
 
 
@@ -247,8 +176,8 @@ def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
     return _log_z(row_softmax_stats(x, with_entropy=False))
 
 
-def _log_z(stats: SoftmaxStats | None) -> torch.Tensor | None:
-    return None if stats is None else stats.row_max + torch.log(stats.sum_exp)
+def _log_z(stats: SoftmaxStats) -> torch.Tensor:
+    return stats.row_max + torch.log(stats.sum_exp)
 
 
 def _row_sum(x: torch.Tensor) -> torch.Tensor:
@@ -429,10 +358,9 @@ def _thresholds_from_sorted(
     crossing = vals.gather(1, num_before.clamp(max=prefix_len - 1)[:, None]).squeeze(1)
     uses_top_p = top_ps < 1.0
     unresolved = uses_top_p & (num_before >= prefix_len) & (thr < vals[:, -1])
-    if prefix_len == info.vocab_size:
-        unresolved = None
     thr = torch.maximum(thr, torch.where(uses_top_p, crossing, neg_inf))
-    return thr, unresolved
+    # A full sort (K = V) leaves nothing beyond the prefix.
+    return thr, None if prefix_len == info.vocab_size else unresolved
 
 
 # ---- entropy --------------------------------------------------------------------------------
@@ -478,15 +406,16 @@ def _entropies(
     for group in groups:
         rows = slice(None) if group.rows is None else group.rows
         # With unit temperatures ``scaled`` is bitwise ``logits`` (x / 1.0 == x).
-        use_raw = scaled is None or (group.mode == "raw" and not info.unit_temperature)
-        truncated = group.mode == "sampled" and thr is not None
-        if group.top_k == 0 and not truncated and not use_raw and whole is not None:
+        wants_raw = group.mode == "raw" and not info.unit_temperature
+        source = logits if scaled is None or wants_raw else scaled
+        group_thr = thr if group.mode == "sampled" else None
+        if group.top_k == 0 and group_thr is None and source is scaled and whole is not None:
             ent = _entropy_from_stats(whole)[rows]
         else:
-            values = logits[rows] if use_raw else scaled[rows]
-            if truncated:
+            values = source[rows]
+            if group_thr is not None:
                 values = values.clone()
-                mask_below_(values, values, thr[rows][:, None])
+                mask_below_(values, values, group_thr[rows][:, None])
             if group.top_k > 0:
                 values = values.topk(group.top_k, dim=-1).values
             ent = entropy_of_rows(values)

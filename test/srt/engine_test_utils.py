@@ -1,0 +1,114 @@
+"""Helpers for tests that drive a running engine, in process (``sglang.Engine``) or as a server
+(:class:`server_test_utils.ServerProcess`): reading the scheduler's state, waiting on it, and
+the long greedy requests the pause tests interrupt.
+
+Waiting: a positive condition is polled until a deadline (:func:`wait_for`). A negative one
+("nothing decoded while paused") is checked after the scheduler has run a given number of loop
+turns (:func:`wait_loop_turns`), each of which could have scheduled a batch, never after a
+sleep whose length says nothing about what the scheduler did meanwhile.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import httpx
+from server_test_utils import ServerProcess
+
+import sglang as sgl
+
+POLL_S = 0.005
+# The requests the pause tests interrupt: long enough (seconds on CPU) to still be running.
+NUM_REQS = 4
+MAX_NEW = 400
+
+StateFn = Callable[[], dict[str, Any]]
+
+
+def engine_state(engine: sgl.Engine) -> dict[str, Any]:
+    """``internal_states[0]`` of the engine's scheduler (DESIGN §2 keys)."""
+    return engine.get_server_info()["internal_states"][0]
+
+
+def server_state(server: ServerProcess) -> dict[str, Any]:
+    """``internal_states[0]`` from the server's /get_server_info."""
+    info = httpx.get(server.url + "/get_server_info", headers=server.headers, timeout=30).json()
+    return info["internal_states"][0]
+
+
+def post(server: ServerProcess, path: str, body: object = None, **kw: Any) -> httpx.Response:
+    """POST ``body`` as JSON to ``path`` with the server's auth header (60 s timeout)."""
+    return httpx.post(server.url + path, json=body, headers=server.headers, timeout=60, **kw)
+
+
+def wait_for(pred: Callable[[], object], timeout: float = 30.0) -> None:
+    """Poll ``pred`` until it returns a truthy value; AssertionError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(POLL_S)
+
+
+def wait_running(get_state: StateFn, n: int = NUM_REQS, timeout: float = 30.0) -> dict[str, Any]:
+    """Wait until ``n`` requests are in the running batch; returns that state."""
+    deadline = time.monotonic() + timeout
+    while (state := get_state())["running_batch_size"] != n:
+        assert time.monotonic() < deadline, f"never {n} running requests: {state}"
+        time.sleep(POLL_S)
+    return state
+
+
+def wait_loop_turns(get_state: StateFn, n: int, timeout: float = 30.0) -> dict[str, Any]:
+    """Wait until the scheduler has run ``n`` complete loop turns after the first state read;
+    returns the last state.
+
+    A state is read in the middle of a turn (``num_loop_turns`` is bumped at its start, the
+    reply built before the turn schedules a batch), so a later read showing the counter
+    ``n`` higher proves ``n`` full turns, each of which could have run a batch. The reads
+    themselves wake an idle scheduler: waiting costs turns, not a fixed time.
+    """
+    start = get_state()["num_loop_turns"]
+    deadline = time.monotonic() + timeout
+    while (state := get_state())["num_loop_turns"] < start + n:
+        assert time.monotonic() < deadline, f"the scheduler did not turn {n} times: {state}"
+        time.sleep(POLL_S)
+    return state
+
+
+def submit_greedy(
+    engine: sgl.Engine,
+    pool: ThreadPoolExecutor,
+    n: int = NUM_REQS,
+    max_new: int = MAX_NEW,
+    **kw: object,
+) -> list[Future]:
+    """``n`` greedy ``ignore_eos`` requests of ``max_new`` tokens with logprobs, run in
+    ``pool``; request i's prompt is ``[10 + i, 20, 30, 40 + i]``."""
+    params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+    return [
+        pool.submit(
+            engine.generate,
+            input_ids=[10 + i, 20, 30, 40 + i],
+            sampling_params=params,
+            return_logprob=True,
+            **kw,
+        )
+        for i in range(n)
+    ]
+
+
+def check_complete(out: dict, max_new: int = MAX_NEW) -> None:
+    """``out`` finished by length with ``max_new`` tokens, one logprob per token, aligned."""
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": max_new}
+    assert len(out["output_ids"]) == meta["completion_tokens"] == max_new
+    assert len(meta["output_token_logprobs"]) == max_new
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+
+
+def ids_and_logprobs(out: dict) -> tuple[list[int], list[float]]:
+    """The output token ids and their logprobs (what determinism tests compare)."""
+    return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]

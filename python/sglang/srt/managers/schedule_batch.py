@@ -299,7 +299,6 @@ class ScheduleBatch:
             extend_seq_lens_cpu=[e - s for s, e in zip(prefix_lens, seq_lens)],
             extend_prefix_lens_cpu=prefix_lens,
             req_to_token_pool=pool,
-            token_to_kv_pool=None,  # set by the model runner
             input_logprob_rows=rows_t,
             input_logprob_targets=targets_t,
             input_top_logprobs_num=top_k,
@@ -357,7 +356,6 @@ class ScheduleBatch:
             extend_seq_lens_cpu=[1] * len(self.reqs),
             extend_prefix_lens_cpu=kv_lens,
             req_to_token_pool=self.kv.req_to_token_pool,
-            token_to_kv_pool=None,  # set by the model runner
         )
 
     def decode_tokens_needed(self, reqs: list[Req] | None = None) -> int:

@@ -45,7 +45,6 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int]  # [B] new tokens per request (all 1 in DECODE)
     extend_prefix_lens_cpu: list[int]  # [B] tokens already in the KV cache before this step
     req_to_token_pool: ReqToTokenPool  # request -> KV slot table
-    token_to_kv_pool: MHATokenToKVPool  # the K/V tensors of every layer
     # Input (prompt) logprobs: rows of the flattened tokens whose next-token logprob is wanted,
     # and that next token. None when no request of the batch asks for prompt logprobs.
     input_logprob_rows: torch.Tensor | None = None  # [R] int64 indices into input_ids
@@ -54,6 +53,15 @@ class ForwardBatch:
     # Set by the attention backend's init_forward_metadata(); opaque to everyone else.
     attn_metadata: Any = None
     attn_backend: AttentionBackend | None = None
+    # The K/V tensors of every layer: the model runner's, set when it runs the batch.
+    token_to_kv_pool: MHATokenToKVPool | None = None
+
+    @property
+    def kv_pool(self) -> MHATokenToKVPool:
+        """The K/V tensors; only valid inside the model runner's forward."""
+        if self.token_to_kv_pool is None:
+            raise RuntimeError("the batch runs outside a model runner (no KV pool attached)")
+        return self.token_to_kv_pool
 
     @property
     def num_tokens(self) -> int:

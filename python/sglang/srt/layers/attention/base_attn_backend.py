@@ -41,7 +41,7 @@ class AttentionBackend(ABC):
         returns them as ``[T, KVH, D]`` views."""
         k = k.view(-1, layer.num_kv_heads, layer.head_dim)
         v = v.view(-1, layer.num_kv_heads, layer.head_dim)
-        forward_batch.token_to_kv_pool.set_kv_buffer(
+        forward_batch.kv_pool.set_kv_buffer(
             layer.layer_id, forward_batch.out_cache_loc, k, v
         )
         return k, v

@@ -89,7 +89,7 @@ class DeterministicAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         num_kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
         self.store_kv(k, v, layer, forward_batch)
-        k_cache, v_cache = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        k_cache, v_cache = forward_batch.kv_pool.get_kv_buffer(layer.layer_id)
         out = torch.empty_like(q)
         for group in forward_batch.attn_metadata:
             n = group.rows.numel()

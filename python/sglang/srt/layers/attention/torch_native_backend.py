@@ -124,7 +124,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             forward_batch.attn_metadata = self._extend_metadata(forward_batch)
             return
         plan = None
-        pool = forward_batch.token_to_kv_pool
+        pool = forward_batch.kv_pool
         if torch.device(pool.device).type == "cpu" and not self._lone_contiguous(forward_batch):
             if self._mirror is None or self._mirror.pool is not pool:
                 # Budget: the mirror may at most double the memory of the KV pool.
@@ -238,7 +238,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         """One SDPA call for the rows of ``group``; ``q`` is ``[b, H*D]`` in group order."""
         batch_size = q.shape[0]
         num_kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
-        k_cache, v_cache = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        k_cache, v_cache = forward_batch.kv_pool.get_kv_buffer(layer.layer_id)
         kv_shape = (batch_size, group.max_len, num_kv_heads, head_dim)
         if group.contiguous_start is not None:
             window = slice(group.contiguous_start, group.contiguous_start + group.max_len)
@@ -259,7 +259,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         k, v = self.store_kv(k, v, layer, forward_batch)
         meta: ExtendMetadata = forward_batch.attn_metadata
-        k_cache, v_cache = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        k_cache, v_cache = forward_batch.kv_pool.get_kv_buffer(layer.layer_id)
         q = q.reshape(-1, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
         for seg in meta.segments:

@@ -53,7 +53,7 @@ class TritonAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         self.store_kv(k, v, layer, forward_batch)
-        k_cache, v_cache = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        k_cache, v_cache = forward_batch.kv_pool.get_kv_buffer(layer.layer_id)
         meta: PerQueryMetadata = forward_batch.attn_metadata
         out = paged_attention_per_query(
             q.view(-1, layer.num_heads, layer.head_dim),

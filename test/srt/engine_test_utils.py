@@ -112,3 +112,12 @@ def check_complete(out: dict, max_new: int = MAX_NEW) -> None:
 def ids_and_logprobs(out: dict) -> tuple[list[int], list[float]]:
     """The output token ids and their logprobs (what determinism tests compare)."""
     return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+def assert_kv_all_back(state: dict[str, Any]) -> None:
+    """Nothing admitted holds KV or a pool row, and every slot is free or evictable. Call it
+    before any flush: a flush resets the allocator and would hide a leak."""
+    assert state["running_batch_size"] == 0 and state["chunked_req_is_none"]
+    assert state["req_to_token_pool_used"] == 0
+    assert state["private_kv_tokens"] == 0
+    assert state["available_kv_tokens"] == state["max_total_num_tokens"]

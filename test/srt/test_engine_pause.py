@@ -11,6 +11,7 @@ import pytest
 from engine_test_utils import (
     MAX_NEW,
     NUM_REQS,
+    assert_kv_all_back,
     check_complete,
     engine_state,
     submit_greedy,
@@ -123,6 +124,7 @@ def test_flush_refused_in_place_allowed_after_retract(engine) -> None:
         refused = engine.flush_cache()
         assert not refused.success and "hold KV" in refused.error_msg
         engine.pause_generation(mode="retract")
+        assert_kv_all_back(engine_state(engine))
         flushed = engine.flush_cache()
         assert flushed.success
         state = engine_state(engine)
@@ -199,10 +201,13 @@ def test_vllm_vocabulary(engine) -> None:
         futs = submit_greedy(engine, pool, max_new=60)
         wait_running(lambda: engine_state(engine))
         reply = engine.pause_generation(mode="wait")  # returns once the running ones finished
-        assert reply["num_running"] == 0
-        assert all(f.done() for f in futs)
-        for f in futs:
-            check_complete(f.result(), 60)
+        assert reply["num_running"] == 0 and reply["num_retracted"] == 0
+        state = engine_state(engine)
+        assert state["running_batch_size"] == 0 and state["pause_phase"] == "paused"
+        for f in futs:  # each ran to its end before the pause took effect
+            out = f.result(timeout=60)
+            check_complete(out, 60)
+            assert out["meta_info"]["total_retractions"] == 0
         engine.continue_generation()
 
 
@@ -265,6 +270,7 @@ def test_stress_random_control_calls(engine) -> None:
         assert meta["finish_reason"]["type"] in ("length", "abort")
         assert len(out["output_ids"]) == meta["completion_tokens"]
     wait_for(lambda: engine_state(engine)["running_batch_size"] == 0)
+    assert_kv_all_back(engine_state(engine))
     assert engine.flush_cache().success
     assert engine_state(engine)["available_kv_tokens"] == initial
 
@@ -287,3 +293,4 @@ def test_pause_abort_races_tokenization(engine) -> None:
             check_complete(out, 64)
     state = engine_state(engine)
     assert state["running_batch_size"] == 0 and state["waiting_queue_size"] == 0
+    assert_kv_all_back(state)

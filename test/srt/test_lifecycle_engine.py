@@ -4,6 +4,7 @@ without a flush, and the engine serves the next request at once."""
 from __future__ import annotations
 
 import pytest
+from engine_test_utils import assert_kv_all_back, engine_state
 
 import sglang as sgl
 
@@ -22,16 +23,10 @@ def small_pool_engine(tiny_model_dir):
         yield engine
 
 
-def _state(engine: sgl.Engine) -> dict:
-    return engine.get_server_info()["internal_states"][0]
-
-
 def _assert_nothing_held(engine: sgl.Engine) -> None:
-    state = _state(engine)
-    assert state["running_batch_size"] == 0 and state["waiting_queue_size"] == 0
-    assert state["req_to_token_pool_used"] == 0
-    assert state["private_kv_tokens"] == 0
-    assert state["available_kv_tokens"] == state["max_total_num_tokens"] == 64
+    state = engine_state(engine)
+    assert state["waiting_queue_size"] == 0 and state["max_total_num_tokens"] == 64
+    assert_kv_all_back(state)
 
 
 def test_request_outgrowing_the_pool_is_aborted_and_released(small_pool_engine) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import zmq
 
-from sglang.srt.managers.io_struct import BatchStrOutput, BatchTokenIDOutput
+from sglang.srt.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, SchedulerReply
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils import (
     TypeBasedDispatcher,
@@ -136,10 +136,19 @@ class DetokenizerManager:
                 del self.states[rid]
         return output_strs
 
+    @staticmethod
+    def forward_reply(msg: SchedulerReply) -> Any:
+        """A scheduler reply goes on to the TokenizerManager as it is, behind the outputs the
+        scheduler sent before it (this process handles messages in order)."""
+        return msg.payload
+
     def event_loop(self, recv_socket: zmq.Socket, send_socket: zmq.Socket) -> None:
         """Receive, decode and forward messages forever (until the process is killed)."""
         dispatcher = TypeBasedDispatcher(
-            [(BatchTokenIDOutput, self.handle_batch_token_id_output)]
+            [
+                (BatchTokenIDOutput, self.handle_batch_token_id_output),
+                (SchedulerReply, self.forward_reply),
+            ]
         )
         while True:
             msg = loads(recv_socket.recv())

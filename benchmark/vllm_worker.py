@@ -1,0 +1,52 @@
+"""Runs the offline workload on vLLM, under vLLM's own Python (called by
+bench_offline_throughput.py --compare vllm; it imports nothing of this repository).
+
+    VLLM_PYTHON benchmark/vllm_worker.py WORKLOAD.json RESULT.json
+
+WORKLOAD.json: {"model_path", "dtype", "threads", "batch1_tokens", "work": [[ids, n], ...]}.
+RESULT.json: {"throughput": out tok/s, "batch1": tok/s, "startup_s": s}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB of KV cache on CPU
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{spec['threads'] - 1}")
+    import torch
+    from vllm import LLM, SamplingParams
+
+    torch.set_num_threads(spec["threads"])
+    start = time.perf_counter()
+    llm = LLM(model=spec["model_path"], dtype=spec["dtype"], seed=0, enable_prefix_caching=False)
+    startup = time.perf_counter() - start
+    work = spec["work"]
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    llm.generate([{"prompt_token_ids": work[0][0]}], params(8), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(
+        [{"prompt_token_ids": ids} for ids, _ in work], [params(n) for _, n in work], use_tqdm=False
+    )
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    prompt, n = work[0][0][:32], spec["batch1_tokens"]
+    llm.generate([{"prompt_token_ids": prompt}], params(n), use_tqdm=False)
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": prompt}], params(n), use_tqdm=False)
+    batch1 = n / (time.perf_counter() - start)
+    with open(sys.argv[2], "w") as f:
+        json.dump({"throughput": num_out / elapsed, "batch1": batch1, "startup_s": startup}, f)
+
+
+if __name__ == "__main__":
+    main()

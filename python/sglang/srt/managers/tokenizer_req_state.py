@@ -95,8 +95,9 @@ class ReqState:
         if self.return_entropy and msg.output_token_entropy_val is not None:
             self.entropy.extend(msg.output_token_entropy_val[i])
         self._add_weight_spans(msg, i)
-        if msg.finished_reasons[i] is not None:
-            self.finish_locally(msg.finished_reasons[i])
+        reason = msg.finished_reasons[i]
+        if reason is not None:
+            self.finish_locally(reason)
         self.dirty = True
 
     def _add_weight_spans(self, msg: BatchStrOutput, i: int) -> None:
@@ -142,11 +143,13 @@ class ReqState:
     def _texts(self, ids: list[int]) -> list[str | None]:
         if self.decode_texts is None or not ids:
             return [None] * len(ids)
-        return self.decode_texts(ids)
+        return list(self.decode_texts(ids))
 
     def to_output(self) -> dict[str, Any]:
         """The caller's view: cumulative text/ids and meta_info (lists are copies)."""
-        end_time = self.finished_time if self.finished else time.perf_counter()
+        end_time = self.finished_time
+        if end_time is None:
+            end_time = time.perf_counter()
         meta: dict[str, Any] = {
             "id": self.rid,
             "finish_reason": self.finished_reason,

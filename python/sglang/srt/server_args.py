@@ -279,6 +279,15 @@ class ServerArgs:
         return dataclasses.asdict(self)
 
 
+def prepare_server_args(argv: list[str]) -> ServerArgs:
+    """ServerArgs from command-line flags, as upstream's ``prepare_server_args``: the flags of
+    ``python -m sglang.launch_server``, upstream-only flags included (handled as described in
+    docs/compatibility.md). Exits with status 2 and a message naming the flag on bad input."""
+    from sglang.launch_server import parse_server_args
+
+    return parse_server_args(argv)
+
+
 def _scalar_type(hint: Any) -> type:
     """``int | None`` -> int, ``bool`` -> bool, ``Literal[...]`` -> str."""
     if get_origin(hint) in (typing.Union, types.UnionType):

@@ -140,9 +140,9 @@ def test_upstream_kwargs_that_change_results_are_refused() -> None:
 def test_prepare_server_args_takes_upstream_flags(capsys: pytest.CaptureFixture) -> None:
     args = prepare_server_args([
         "--model-path", "m", "--device", "cpu", "--disable-cuda-graph", "--dp-size", "1",
-        "--cuda-graph-bs", "1", "2",
+        "--cuda-graph-bs", "1", "2", "--tool-call-parser", "qwen25",
     ])
-    assert args.model_path == "m"
+    assert (args.model_path, args.tool_call_parser) == ("m", "qwen25")
     with pytest.raises(SystemExit) as exit_info:
         prepare_server_args(["--model-path", "m", "--device", "cpu", "--quantization", "fp8"])
     assert exit_info.value.code == 2

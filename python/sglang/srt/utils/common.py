@@ -11,6 +11,7 @@ import os
 import pickle
 import resource
 import signal
+import socket
 import tempfile
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError
@@ -78,6 +79,17 @@ def configure_logger(level: str, prefix: str = "") -> None:
 
 
 # ---- process setup helpers with upstream's names ---------------------------------------------
+def is_port_available(port: int) -> bool:
+    """Whether a TCP server could bind ``port`` on all interfaces right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
 def assert_pkg_version(pkg: str, min_version: str, message: str) -> None:
     """Raise when distribution ``pkg`` is missing or older than ``min_version`` (PEP 440
     order); ``message`` is appended to the error. Returns None when the version suffices."""

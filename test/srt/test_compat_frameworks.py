@@ -1,0 +1,78 @@
+"""The RL stack's own SGLang client code, installed from the package registry, against our
+servers on CPU (docs/compatibility.md). Each test is skipped, with the reason, only when its
+package is not installed (``make setup`` installs them)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from server_test_utils import ServerProcess, free_port
+
+GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def two_workers(tiny_model_dir: Callable[..., Path]) -> Iterator[list[ServerProcess]]:
+    model = tiny_model_dir("llama")
+    with ServerProcess(model, "--skip-server-warmup") as first, \
+            ServerProcess(model, "--skip-server-warmup") as second:
+        yield [first, second]
+
+
+@pytest.fixture(scope="module")
+def router(two_workers: list[ServerProcess]) -> Iterator[str]:
+    pytest.importorskip("sglang_router", reason="sglang-router is not installed")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+         "--port", str(port), "--policy", "power_of_two", "--worker-urls",
+         *(w.url for w in two_workers)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            assert time.monotonic() < deadline, "the router did not become ready"
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_router_spreads_generate_over_our_workers(router: str,
+                                                  two_workers: list[ServerProcess]) -> None:
+    # power_of_two picks workers by the load that /get_load reports.
+    direct = httpx.post(f"{two_workers[0].url}/generate", timeout=60,
+                        json={"input_ids": [5, 6, 7, 8], "sampling_params": GREEDY}).json()
+    for _ in range(4):
+        out = httpx.post(f"{router}/generate", timeout=60,
+                         json={"input_ids": [5, 6, 7, 8], "sampling_params": GREEDY})
+        assert out.status_code == 200, out.text
+        assert out.json()["output_ids"] == direct["output_ids"]
+    chat = httpx.post(f"{router}/v1/completions", timeout=60, json={
+        "model": "default", "prompt": "Once upon", "max_tokens": 4, "temperature": 0,
+        "ignore_eos": True})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_router_fans_out_flush_cache(router: str) -> None:
+    out = httpx.post(f"{router}/flush_cache", timeout=60)
+    assert out.status_code == 200, out.text

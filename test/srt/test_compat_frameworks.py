@@ -76,3 +76,36 @@ def test_router_spreads_generate_over_our_workers(router: str,
 def test_router_fans_out_flush_cache(router: str) -> None:
     out = httpx.post(f"{router}/flush_cache", timeout=60)
     assert out.status_code == 200, out.text
+
+
+@pytest.fixture(scope="module")
+def areal_engine(two_workers: list[ServerProcess]) -> Iterator[object]:
+    remote = pytest.importorskip("areal.engine.sglang_remote", reason="areal is not installed")
+    from areal.api.cli_args import InferenceEngineConfig
+
+    engine = remote.RemoteSGLangEngine(
+        InferenceEngineConfig(backend="sglang:d1", max_concurrent_rollouts=4))
+    engine.initialize(addr=[two_workers[0].url.removeprefix("http://")])
+    try:
+        yield engine
+    finally:
+        engine.destroy()
+
+
+def test_areal_remote_engine_generates_with_logprobs(areal_engine: object,
+                                                     two_workers: list[ServerProcess]) -> None:
+    import asyncio
+
+    from areal.api.cli_args import GenerationHyperparameters
+    from areal.api.io_struct import ModelRequest
+
+    direct = httpx.post(f"{two_workers[0].url}/generate", timeout=60,
+                        json={"input_ids": [5, 6, 7, 8], "sampling_params": GREEDY}).json()
+    gconfig = GenerationHyperparameters(max_new_tokens=4, greedy=True, ignore_eos=True)
+    resp = asyncio.run(areal_engine.agenerate(  # type: ignore[attr-defined]
+        ModelRequest(input_ids=[5, 6, 7, 8], gconfig=gconfig)))
+    assert list(resp.output_tokens) == direct["output_ids"]
+    assert len(resp.output_logprobs) == 4 and all(lp <= 0 for lp in resp.output_logprobs)
+    assert resp.stop_reason == "length"
+    areal_engine.pause_generation()  # type: ignore[attr-defined]
+    areal_engine.continue_generation()  # type: ignore[attr-defined]

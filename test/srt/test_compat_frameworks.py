@@ -109,3 +109,35 @@ def test_areal_remote_engine_generates_with_logprobs(areal_engine: object,
     assert resp.stop_reason == "length"
     areal_engine.pause_generation()  # type: ignore[attr-defined]
     areal_engine.continue_generation()  # type: ignore[attr-defined]
+
+
+def test_skyrl_server_launcher_serves_token_in_token_out(
+        tiny_model_dir: Callable[..., Path]) -> None:
+    # skyrl-train requires Python 3.12; its launcher module imports only sglang names.
+    pytest.importorskip("skyrl_train", reason="skyrl-train is not installed (needs Python 3.12)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "skyrl_train.inference_engines.sglang.sglang_server",
+         "--model-path", str(tiny_model_dir("llama")), "--host", "127.0.0.1", "--port",
+         str(port), "--skip-server-warmup", "--mm-attention-backend", "fa3"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            assert time.monotonic() < deadline, "SkyRL's launcher did not become healthy"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        out = httpx.post(f"{url}/generate", timeout=60,
+                         json={"input_ids": [5, 6, 7, 8], "sampling_params": GREEDY}).json()
+        assert len(out["output_ids"]) == 4  # --skip-tokenizer-init: ids only
+        assert httpx.post(f"{url}/flush_cache", timeout=60).status_code == 200
+    finally:
+        proc.terminate()
+        assert proc.wait(30) is not None

@@ -497,8 +497,8 @@ class TokenizerManager:
         if self._loop is not None and not self._on_own_loop():
             if not self._loop.is_running():
                 raise RuntimeError("the TokenizerManager's event loop is not running")
-            future = asyncio.run_coroutine_threadsafe(self._control(req), self._loop)
-            return await asyncio.wrap_future(future)
+            bridged = asyncio.run_coroutine_threadsafe(self._control(req), self._loop)
+            return await asyncio.wrap_future(bridged)
         self.start()
         future = self._loop.create_future()
         self._pending_controls[req.req_id] = future

@@ -54,10 +54,14 @@ class WeightsUpdateGroups:
         )
         prefixed = dist.PrefixStore(f"{obj.group_name}/", store)
         if obj.backend == "gloo":
-            group: Any = dist.ProcessGroupGloo(prefixed, obj.rank_offset, obj.world_size)
+            group: Any = dist.ProcessGroupGloo(
+                prefixed, obj.rank_offset, obj.world_size, _RENDEZVOUS_TIMEOUT
+            )
             device = "cpu"
         else:
-            group = dist.ProcessGroupNCCL(prefixed, obj.rank_offset, obj.world_size)
+            group = dist.ProcessGroupNCCL(
+                prefixed, obj.rank_offset, obj.world_size, dist.ProcessGroupNCCL.Options()
+            )
             device = f"cuda:{torch.cuda.current_device()}"
         self._groups[obj.group_name] = (group, device)
 
@@ -86,7 +90,10 @@ class WeightsUpdateGroups:
             raise ValueError(f"no weights update group {group_name!r}")
 
 
-def _specs(obj: UpdateWeightsFromDistributedReqInput) -> tuple[list, list, list]:
+def _specs(obj: UpdateWeightsFromDistributedReqInput) -> tuple[list[Any], list[Any], list[Any]]:
+    names: list[Any]
+    dtypes: list[Any]
+    shapes: list[Any]
     if obj.names is not None:
         names, dtypes, shapes = obj.names, obj.dtypes or [], obj.shapes or []
     elif obj.name is not None:

@@ -10,13 +10,15 @@ the previous token. A pattern with unbounded repetition (``a+``) is searched ove
 
 from __future__ import annotations
 
+import importlib
 import re
 import sys
+from typing import Any
 
-if sys.version_info >= (3, 11):
-    from re import _parser as sre_parse
-else:  # pragma: no cover - Python 3.10
-    import sre_parse
+# The regex parser of the standard library (``re._parser``; ``sre_parse`` before 3.11), which
+# knows the widest match of a pattern.
+_PARSER_MODULE = "re._parser" if sys.version_info >= (3, 11) else "sre_parse"
+sre_parse: Any = importlib.import_module(_PARSER_MODULE)
 
 # Tail searched for patterns whose longest match is unbounded.
 UNBOUNDED_TAIL_CHARS = 256

@@ -26,8 +26,18 @@ def two_workers(tiny_model_dir: Callable[..., Path]) -> Iterator[list[ServerProc
 
 
 @pytest.fixture(scope="module")
-def router(two_workers: list[ServerProcess]) -> Iterator[str]:
+def router_package() -> None:
     pytest.importorskip("sglang_router", reason="sglang-router is not installed")
+
+
+@pytest.fixture(scope="module")
+def areal_package() -> None:
+    pytest.importorskip("areal.engine.sglang_remote", reason="areal is not installed")
+
+
+# The package fixtures come first, so that no server starts for a client that is not installed.
+@pytest.fixture(scope="module")
+def router(router_package: None, two_workers: list[ServerProcess]) -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
@@ -79,9 +89,9 @@ def test_router_fans_out_flush_cache(router: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def areal_engine(two_workers: list[ServerProcess]) -> Iterator[object]:
-    remote = pytest.importorskip("areal.engine.sglang_remote", reason="areal is not installed")
+def areal_engine(areal_package: None, two_workers: list[ServerProcess]) -> Iterator[object]:
     from areal.api.cli_args import InferenceEngineConfig
+    from areal.engine import sglang_remote as remote
 
     engine = remote.RemoteSGLangEngine(
         InferenceEngineConfig(backend="sglang:d1", max_concurrent_rollouts=4))

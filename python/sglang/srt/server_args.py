@@ -24,6 +24,8 @@ _ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 _SAMPLING_BACKENDS = ("pytorch", "triton")
 _ENTROPY_MODES = ("raw", "scaled", "sampled")
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_REASONING_PARSERS = ("qwen3", "deepseek-r1")
+_TOOL_CALL_PARSERS = ("qwen25", "qwen", "llama3")
 
 
 def _arg(default: Any, help: str, **extra: Any) -> Any:
@@ -151,6 +153,21 @@ class ServerArgs:
     )
     tp_size: int = _arg(1, "Tensor-parallel size (only 1 is supported for now).")
 
+    # OpenAI chat parsing (docs/openai_api.md)
+    reasoning_parser: str | None = _arg(
+        None,
+        "Split the model's reasoning from its answer in chat completions: the text between "
+        "the reasoning markers goes to message.reasoning_content (streamed as "
+        "delta.reasoning_content). qwen3, deepseek-r1.",
+        choices=_REASONING_PARSERS,
+    )
+    tool_call_parser: str | None = _arg(
+        None,
+        "Parse tool calls out of chat completions into message.tool_calls (streamed too): "
+        "qwen25 (Qwen2.5/Qwen3 <tool_call> JSON) or llama3 (Llama-3 JSON calls).",
+        choices=_TOOL_CALL_PARSERS,
+    )
+
     # Logging and metrics
     log_level: str = _arg("info", "Logging level.", choices=_LOG_LEVELS)
     log_requests: bool = _arg(False, "Log every request and its output.")
@@ -247,6 +264,12 @@ class ServerArgs:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError("--context-length must be >= 1")
+        for flag, value, choices in (
+            ("--reasoning-parser", self.reasoning_parser, _REASONING_PARSERS),
+            ("--tool-call-parser", self.tool_call_parser, _TOOL_CALL_PARSERS),
+        ):
+            if value is not None and value not in choices:
+                raise ValueError(f"{flag} must be one of {choices}, got {value!r}")
 
     # ---- CLI generated from the fields -------------------------------------------------------
     @staticmethod
@@ -280,6 +303,15 @@ class ServerArgs:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def prepare_server_args(argv: list[str]) -> ServerArgs:
+    """ServerArgs from command-line flags, as upstream's ``prepare_server_args``: the flags of
+    ``python -m sglang.launch_server``, upstream-only flags included (handled as described in
+    docs/compatibility.md). Exits with status 2 and a message naming the flag on bad input."""
+    from sglang.launch_server import parse_server_args
+
+    return parse_server_args(argv)
 
 
 def _scalar_type(hint: Any) -> type:

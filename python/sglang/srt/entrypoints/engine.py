@@ -47,6 +47,7 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.server_args import PortArgs, ServerArgs
+from sglang.srt.server_args_upstream import server_args_from_kwargs
 from sglang.srt.utils import kill_process_tree
 
 logger = logging.getLogger(__name__)
@@ -195,7 +196,10 @@ def _shutdown_from_atexit(ref: weakref.ref) -> None:
 
 class Engine:
     """The in-process engine. ``Engine(**kwargs)`` takes :class:`ServerArgs` fields (or, as
-    upstream, ``Engine(server_args=ServerArgs(...))``).
+    upstream, ``Engine(server_args=ServerArgs(...))``) and upstream SGLang's other ServerArgs
+    keywords: one that does not apply to this build is ignored with one logged warning, one
+    that would change results is a ValueError naming it, an unknown name a TypeError
+    (docs/compatibility.md).
 
     Public methods follow SGLang's ``Engine``. After :meth:`shutdown` (also run at exit and,
     best effort, on garbage collection) no child process is left and every method raises
@@ -209,11 +213,8 @@ class Engine:
             if kwargs or not isinstance(server_args, ServerArgs):
                 raise TypeError("Engine(server_args=...) takes a ServerArgs and nothing else")
             kwargs = dataclasses.asdict(server_args)
-        known = {f.name for f in dataclasses.fields(ServerArgs)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(f"Engine got unexpected keyword argument(s): {', '.join(unknown)}")
-        self.server_args = ServerArgs(**kwargs)
+        # Upstream's other ServerArgs keywords: ignored with a warning or refused by name.
+        self.server_args = server_args_from_kwargs(kwargs)
         # From here on shutdown() has something to undo.
         self._closed = False
         self._procs: list[mp.Process] = []

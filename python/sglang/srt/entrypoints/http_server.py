@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 import sglang
 from sglang.srt.entrypoints import engine_weights
+from sglang.srt.entrypoints.http_compat import router as compat_router
 from sglang.srt.entrypoints.http_guard import GuardMiddleware, add_error_handlers
 from sglang.srt.entrypoints.http_weights import router as weights_router
 from sglang.srt.entrypoints.openai.protocol import (
@@ -438,6 +439,7 @@ def create_app(
     )
     app.include_router(router)
     app.include_router(weights_router)
+    app.include_router(compat_router)
     add_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=server_args.api_key)
     return app

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -371,19 +372,29 @@ class UpdateWeightFromDiskReqOutput:
     num_paused_requests: int = 0
     req_id: str = ""
 
+    def __iter__(self) -> Iterator[Any]:
+        """``success, message, num_paused = out``: upstream's TokenizerManager returns this."""
+        return iter((self.success, self.message, self.num_paused_requests))
+
 
 @dataclass
 class UpdateWeightsFromTensorReqInput:
     """Copy ``named_tensors`` (HF checkpoint names, or parameter names with
     ``load_format="direct"``) into the running model; a subset of the weights is allowed.
-    The tensors are pickled to the scheduler process. Validated first, like disk updates."""
+    The tensors are pickled to the scheduler process. Validated first, like disk updates.
 
-    named_tensors: list[tuple[str, Any]]
+    Upstream's form: ``serialized_named_tensors``, one ``MultiprocessingSerializer`` payload
+    (bytes or base64 string) per tensor-parallel rank; the TokenizerManager decodes it into
+    ``named_tensors`` before anything is sent to the scheduler.
+    """
+
+    named_tensors: list[tuple[str, Any]] = field(default_factory=list)
     load_format: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
     req_id: str = field(default_factory=_new_id)
+    serialized_named_tensors: list[str | bytes] | None = None
 
 
 @dataclass
@@ -392,6 +403,50 @@ class UpdateWeightsFromTensorReqOutput:
     message: str
     num_paused_requests: int = 0
     req_id: str = ""
+
+    def __iter__(self) -> Iterator[Any]:
+        """``success, message = out``: upstream's TokenizerManager returns this pair."""
+        return iter((self.success, self.message))
+
+
+@dataclass
+class InitWeightsUpdateGroupReqInput:
+    """Join the trainer's weight-broadcast group (upstream's request): a torch.distributed
+    group of ``world_size`` ranks rendezvousing at ``master_address:master_port``, in which
+    this engine is rank ``rank_offset`` (the trainer is rank 0 and broadcasts)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+@dataclass
+class DestroyWeightsUpdateGroupReqInput:
+    """Leave the weight-broadcast group ``group_name`` (upstream's request)."""
+
+    group_name: str = "weight_update_group"
+
+
+@dataclass
+class UpdateWeightsFromDistributedReqInput:
+    """Receive tensors broadcast by rank 0 of the group ``group_name`` and load them (upstream's
+    request). One tensor with ``name``/``dtype``/``shape``, or several with ``names``/
+    ``dtypes``/``shapes``, broadcast in that order; dtypes by torch name ("bfloat16")."""
+
+    name: str | None = None
+    dtype: str | None = None
+    shape: list[int] | None = None
+    names: list[str] | None = None
+    dtypes: list[str] | None = None
+    shapes: list[list[int]] | None = None
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
 
 
 @dataclass

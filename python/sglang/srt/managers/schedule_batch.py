@@ -39,6 +39,7 @@ from sglang.srt.managers.req_kv import ReqKV
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.sampling.stop_regex import match_stop_regex, max_match_chars
 
 
 class ReqStatus(enum.Enum):
@@ -88,6 +89,7 @@ class Req:
             (len(s.encode()) for s in sampling_params.stop_strs), default=0
         )
         self.stop_str_max_chars = max((len(s) for s in sampling_params.stop_strs), default=0)
+        self.stop_regex_max_chars = max_match_chars(sampling_params.stop_regex_strs)
         self.arrival_time = time.monotonic()
 
         self.status = ReqStatus.WAITING
@@ -189,6 +191,11 @@ class Req:
                 if stop in tail:
                     self.finished_reason = {"type": "stop", "matched": stop}
                     return
+        if sp.stop_regex_strs and tokenizer is not None:
+            tail = tokenizer.decode(self.output_ids[-(self.stop_regex_max_chars + 1) :])
+            matched = match_stop_regex(tail, sp.stop_regex_strs)
+            if matched is not None:
+                self.finished_reason = {"type": "stop", "matched": matched}
 
     def on_retract(self) -> None:
         """The request lost its KV: count it, and drop partial prompt logprobs (recomputed)."""

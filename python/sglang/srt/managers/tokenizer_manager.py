@@ -3,7 +3,9 @@
 It tokenizes and validates requests, sends them to the scheduler, and routes the
 detokenizer's incremental outputs back to the callers by rid (DESIGN §3). It is the only owner
 of the per-rid frontend state. Every async method runs on ONE asyncio loop, the one that calls
-:meth:`TokenizerManager.start`; nothing here is thread-safe.
+:meth:`TokenizerManager.start`; nothing here is thread-safe. Control methods (flush, pause,
+continue, weights, memory, abort) may be awaited from any other loop and thread as well, as
+RL frameworks do on an Engine's manager: they hop to the owning loop and back.
 
 Failure model: when the scheduler or detokenizer process exits, or the scheduler reports a
 ``SchedulerErrorOutput``, every waiting caller and control call raises
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -28,6 +31,7 @@ from sglang.srt.managers.io_struct import (
     BatchStrOutput,
     ContinueGenerationReqInput,
     ContinueGenerationReqOutput,
+    DestroyWeightsUpdateGroupReqInput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GenerateReqInput,
@@ -35,6 +39,7 @@ from sglang.srt.managers.io_struct import (
     GetInternalStateReqOutput,
     GetWeightsByNameReqInput,
     GetWeightsByNameReqOutput,
+    InitWeightsUpdateGroupReqInput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     PauseStateOutput,
@@ -46,6 +51,7 @@ from sglang.srt.managers.io_struct import (
     TokenizedGenerateReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
     UpdateWeightsFromTensorReqOutput,
     UpdateWeightVersionReqInput,
@@ -54,8 +60,10 @@ from sglang.srt.managers.io_struct import (
 from sglang.srt.managers.memory_occupation import resolve_tags
 from sglang.srt.managers.request_validation import RequestLimits, validate_request
 from sglang.srt.managers.tokenizer_req_state import ReqState
+from sglang.srt.managers.weights_update_group import WeightsUpdateGroups
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils import TypeBasedDispatcher, dumps, get_zmq_socket, loads
+from sglang.srt.utils.multiprocessing_serializer import decode_named_tensors
 
 if TYPE_CHECKING:
     import fastapi
@@ -114,6 +122,7 @@ class TokenizerManager:
         self._scheduler_paused = False
         # Whether the scheduler's KV cache or weights are released (nothing decodes then).
         self.memory_released = False
+        self.weights_update_groups = WeightsUpdateGroups()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._context: zmq.asyncio.Context | None = None
@@ -314,10 +323,14 @@ class TokenizerManager:
         """Ask the scheduler to abort ``rid`` (or everything); returns without waiting.
 
         A rid that names the parent of ``n > 1`` copies aborts every copy. Must be called on
-        the owning loop. Each aborted caller gets one final output with finish type "abort".
-        After the scheduler died this does nothing (every caller has already failed).
+        the owning loop or from any thread (it is then queued onto the owning loop). Each
+        aborted caller gets one final output with finish type "abort". After the scheduler died
+        this does nothing (every caller has already failed).
         """
         if self._dead_reason is not None:
+            return
+        if self._loop is not None and not self._on_own_loop():
+            self._loop.call_soon_threadsafe(self.abort_request, rid, abort_all, match_prefix)
             return
         self.start()
         for req in self._abort_reqs(rid, abort_all, match_prefix):
@@ -374,9 +387,11 @@ class TokenizerManager:
         a pause lease expires."""
         return self._scheduler_paused
 
-    async def flush_cache(self) -> FlushCacheReqOutput:
+    async def flush_cache(
+        self, obj: FlushCacheReqInput | None = None, request: fastapi.Request | None = None
+    ) -> FlushCacheReqOutput:
         """Ask the scheduler to flush the prefix cache; returns its reply (success or reason)."""
-        return await self._control(FlushCacheReqInput())
+        return await self._control(obj or FlushCacheReqInput())
 
     async def get_internal_state(self) -> list[dict]:
         """The scheduler's internal state, one dict per scheduler (DESIGN §2 keys)."""
@@ -385,7 +400,7 @@ class TokenizerManager:
 
     # ---- weights (docs/weights.md) -------------------------------------------------------------
     async def update_weights_from_disk(
-        self, obj: UpdateWeightFromDiskReqInput
+        self, obj: UpdateWeightFromDiskReqInput, request: fastapi.Request | None = None
     ) -> UpdateWeightFromDiskReqOutput:
         """Load the checkpoint at ``obj.model_path`` into the running model (validated first;
         a refusal changes nothing). On success the reported model path follows it."""
@@ -395,10 +410,54 @@ class TokenizerManager:
         return out
 
     async def update_weights_from_tensor(
-        self, obj: UpdateWeightsFromTensorReqInput
+        self, obj: UpdateWeightsFromTensorReqInput, request: fastapi.Request | None = None
     ) -> UpdateWeightsFromTensorReqOutput:
-        """Send ``obj.named_tensors`` (pickled) to the scheduler and copy them into the model."""
+        """Send ``obj.named_tensors`` (pickled) to the scheduler and copy them into the model.
+        Upstream's ``serialized_named_tensors`` payload is decoded here first; one that does not
+        decode to (name, tensor) pairs is refused (``success=False``) without reaching the
+        scheduler. The reply unpacks as upstream's ``(success, message)``."""
+        if obj.serialized_named_tensors is not None:
+            try:
+                named = decode_named_tensors(obj.serialized_named_tensors)
+            except ValueError as e:
+                return UpdateWeightsFromTensorReqOutput(False, str(e), req_id=obj.req_id)
+            obj = dataclasses.replace(obj, named_tensors=named, serialized_named_tensors=None)
         return await self._control(obj)
+
+    async def init_weights_update_group(
+        self, obj: InitWeightsUpdateGroupReqInput, request: fastapi.Request | None = None
+    ) -> tuple[bool, str]:
+        """Join the trainer's weight-broadcast group (see weights_update_group); returns
+        upstream's ``(success, message)``. Blocks only a worker thread while ranks meet."""
+        try:
+            await asyncio.to_thread(self.weights_update_groups.init_group, obj)
+        except (ValueError, RuntimeError) as e:
+            return False, f"Failed to initialize the weights update group: {e}"
+        return True, "Succeeded to initialize the weights update group."
+
+    async def update_weights_from_distributed(
+        self, obj: UpdateWeightsFromDistributedReqInput, request: fastapi.Request | None = None
+    ) -> tuple[bool, str]:
+        """Receive the tensors broadcast in group ``obj.group_name`` and load them like
+        :meth:`update_weights_from_tensor`; returns ``(success, message)``."""
+        try:
+            named = await asyncio.to_thread(self.weights_update_groups.receive, obj)
+        except (ValueError, RuntimeError) as e:
+            return False, f"Failed to receive the weights: {e}"
+        out = await self.update_weights_from_tensor(UpdateWeightsFromTensorReqInput(
+            named, obj.load_format, obj.flush_cache, obj.abort_all_requests, obj.weight_version
+        ))
+        return out.success, out.message
+
+    async def destroy_weights_update_group(
+        self, obj: DestroyWeightsUpdateGroupReqInput, request: fastapi.Request | None = None
+    ) -> tuple[bool, str]:
+        """Leave group ``obj.group_name``; returns ``(success, message)``."""
+        try:
+            self.weights_update_groups.destroy(obj.group_name)
+        except ValueError as e:
+            return False, str(e)
+        return True, "Succeeded to destroy the weights update group."
 
     async def get_weights_by_name(self, obj: GetWeightsByNameReqInput) -> GetWeightsByNameReqOutput:
         return await self._control(obj)
@@ -411,7 +470,7 @@ class TokenizerManager:
 
     # ---- memory occupation (docs/memory.md) --------------------------------------------------
     async def release_memory_occupation(
-        self, obj: ReleaseMemoryOccupationReqInput
+        self, obj: ReleaseMemoryOccupationReqInput, request: fastapi.Request | None = None
     ) -> ReleaseMemoryOccupationReqOutput:
         """Free the scheduler's KV cache and/or weights until resumed (refused while a request
         holds KV). ValueError for bad tags, before anything is sent."""
@@ -419,7 +478,7 @@ class TokenizerManager:
         return self._note_memory(await self._control(obj))
 
     async def resume_memory_occupation(
-        self, obj: ResumeMemoryOccupationReqInput
+        self, obj: ResumeMemoryOccupationReqInput, request: fastapi.Request | None = None
     ) -> ResumeMemoryOccupationReqOutput:
         resolve_tags(obj.tags)
         return self._note_memory(await self._control(obj))
@@ -429,8 +488,14 @@ class TokenizerManager:
         return out
 
     async def _control(self, req: Any) -> Any:
-        """Send a control request and await the reply carrying the same ``req_id``."""
+        """Send a control request and await the reply carrying the same ``req_id``. Awaited
+        from a loop other than the owning one, it runs on the owning loop and returns there."""
         self._check_alive()
+        if self._loop is not None and not self._on_own_loop():
+            if not self._loop.is_running():
+                raise RuntimeError("the TokenizerManager's event loop is not running")
+            bridged = asyncio.run_coroutine_threadsafe(self._control(req), self._loop)
+            return await asyncio.wrap_future(bridged)
         self.start()
         future = self._loop.create_future()
         self._pending_controls[req.req_id] = future
@@ -521,6 +586,13 @@ class TokenizerManager:
             raise RuntimeError(self._dead_reason)
 
     # ---- helpers -----------------------------------------------------------------------------
+    def _on_own_loop(self) -> bool:
+        """Whether the caller runs on the loop this manager is bound to."""
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:  # no running loop in this thread
+            return False
+
     def _send(self, obj: Any) -> None:
         """Queue ``obj`` for the scheduler (zmq keeps the order of sends)."""
         self._send_socket.send(dumps(obj))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from sglang.srt.sampling.stop_regex import compile_stop_regexes
+
 _GREEDY_EPS = 1e-6
 
 
@@ -19,6 +21,7 @@ class SamplingParams:
     max_new_tokens: int = 128
     min_new_tokens: int = 0
     stop: str | list[str] | None = None
+    stop_regex: str | list[str] | None = None  # see sampling/stop_regex.py
     stop_token_ids: list[int] | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -33,14 +36,15 @@ class SamplingParams:
     no_stop_trim: bool = False
     sampling_seed: int | None = None
     n: int = 1
-    # Derived by normalize(): the stop strings as a list, and the longest one in tokens.
+    # Derived by normalize(): the stop strings and stop regexes as lists.
     stop_strs: list[str] = field(default_factory=list, repr=False)
+    stop_regex_strs: list[str] = field(default_factory=list, repr=False)
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
         """Build from a user dict; an unknown key is a ValueError naming it."""
         params = dict(params or {})
-        known = {f.name for f in fields(cls)} - {"stop_strs"}
+        known = {f.name for f in fields(cls)} - {"stop_strs", "stop_regex_strs"}
         unknown = sorted(set(params) - known)
         if unknown:
             raise ValueError(f"Unknown sampling parameter(s): {', '.join(unknown)}")
@@ -94,6 +98,7 @@ class SamplingParams:
             raise ValueError("stop must be a string or a list of strings")
         if isinstance(self.stop, list) and not all(isinstance(s, str) for s in self.stop):
             raise ValueError("stop must be a string or a list of strings")
+        compile_stop_regexes(self.stop_regex)
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, list) or not all(
                 isinstance(t, int) for t in self.stop_token_ids
@@ -110,6 +115,7 @@ class SamplingParams:
             self.stop_strs = [self.stop] if self.stop else []
         else:
             self.stop_strs = [s for s in self.stop if s]
+        self.stop_regex_strs = compile_stop_regexes(self.stop_regex)
         if self.temperature < _GREEDY_EPS:
             self.temperature = 0.0
 

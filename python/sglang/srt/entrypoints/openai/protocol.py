@@ -63,6 +63,7 @@ class SamplingExtras(BaseModel):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
@@ -91,6 +92,7 @@ class SamplingExtras(BaseModel):
             "repetition_penalty": self.repetition_penalty,
             "ignore_eos": self.ignore_eos,
             "stop_token_ids": self.stop_token_ids,
+            "stop_regex": self.stop_regex,
             "skip_special_tokens": self.skip_special_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "no_stop_trim": self.no_stop_trim,
@@ -219,8 +221,9 @@ class ChatCompletionRequest(SamplingExtras):
     continue_final_message: bool = False
     # Only {"type": "text"}: structured output (json_object, json_schema) is refused.
     response_format: dict[str, Any] | None = None
-    # Tools are rendered into the prompt by the chat template; calls come back as plain text
-    # (no tool-call parser). tool_choice "required" or a named function is refused.
+    # Tools are rendered into the prompt by the chat template; calls come back in
+    # message.tool_calls with --tool-call-parser, else as plain text. tool_choice "required" or
+    # a named function is refused.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
@@ -250,9 +253,40 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class Function(BaseModel):
+    """A function a tool offers (upstream's ``protocol.Function``)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    """One entry of a request's ``tools`` (upstream's ``protocol.Tool``)."""
+
+    type: Literal["function"] = "function"
+    function: Function
+
+
+class FunctionResponse(BaseModel):
+    name: str | None = None
+    arguments: str | None = None  # JSON text
+
+
+class ToolCall(BaseModel):
+    """A call parsed by --tool-call-parser (``index`` orders the calls of a choice)."""
+
+    id: str
+    index: int | None = None
+    type: Literal["function"] = "function"
+    function: FunctionResponse
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser
+    tool_calls: list[ToolCall] | None = None  # with --tool-call-parser
 
 
 class ChatCompletionChoice(BaseModel):
@@ -279,6 +313,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

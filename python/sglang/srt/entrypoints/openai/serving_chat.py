@@ -3,6 +3,9 @@
 The conversation is rendered with the tokenizer's chat template (or ``--chat-template``) and
 tokenized here, without adding special tokens again (the template already has them), so the
 engine receives ``input_ids``. The request is expanded to ``n`` engine requests, one per choice.
+With ``--reasoning-parser`` the reasoning goes to ``reasoning_content``; with
+``--tool-call-parser`` (and ``tools`` in the request) calls go to ``tool_calls`` and the finish
+reason "stop" becomes "tool_calls" (chat_parsing.py).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from sglang.srt.entrypoints.openai.chat_parsing import ChatOutputParser
 from sglang.srt.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -49,6 +53,15 @@ class OpenAIServingChat(OpenAIServingBase):
     def __init__(self, tokenizer_manager: Any, metrics: Any, chat_template: str | None) -> None:
         super().__init__(tokenizer_manager, metrics)
         self.chat_template = chat_template
+        server_args = getattr(tokenizer_manager, "server_args", None)
+        self.reasoning_parser = getattr(server_args, "reasoning_parser", None)
+        self.tool_call_parser = getattr(server_args, "tool_call_parser", None)
+
+    def _output_parser(self, req: ChatCompletionRequest) -> ChatOutputParser:
+        use_tools = bool(req.tools) and req.tool_choice != "none"
+        return ChatOutputParser(
+            self.reasoning_parser, self.tool_call_parser if use_tools else None, req.tools
+        )
 
     async def handle(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         _check_request(req)
@@ -127,9 +140,15 @@ class OpenAIServingChat(OpenAIServingBase):
         for i, out in enumerate(outputs):
             meta = out["meta_info"]
             finish_reason, matched = map_finish_reason(meta)
+            parsed = self._output_parser(req).feed(out.get("text", ""), final=True)
+            if parsed.tool_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
             choices.append(ChatCompletionChoice(
                 index=i,
-                message=ChatResponseMessage(content=out.get("text", "")),
+                message=ChatResponseMessage(
+                    content=parsed.content, reasoning_content=parsed.reasoning or None,
+                    tool_calls=parsed.tool_calls or None,
+                ),
                 logprobs=self._logprobs(meta, 0) if req.logprobs else None,
                 finish_reason=finish_reason,
                 matched_stop=matched,
@@ -146,6 +165,7 @@ class OpenAIServingChat(OpenAIServingBase):
                 outputs: AsyncIterator[Any], tracker: Any, response_id: str) -> Response:
         state = StreamState(req.n)
         role_sent: set[int] = set()
+        parsers = [self._output_parser(req) for _ in range(req.n)]
 
         def chunk(choice: ChatCompletionStreamChoice) -> bytes:
             return sse_event(ChatCompletionStreamResponse(
@@ -161,15 +181,23 @@ class OpenAIServingChat(OpenAIServingBase):
                 yield chunk(ChatCompletionStreamChoice(
                     index=i, delta=DeltaMessage(role="assistant", content="")))
             logprobs = self._logprobs(delta.meta_info, delta.token_start) if req.logprobs else None
-            if delta.text or (logprobs and logprobs.content):
+            parsed = parsers[i].feed(delta.text, final=delta.finish_reason is not None)
+            if parsed or (logprobs and logprobs.content):
                 yield chunk(ChatCompletionStreamChoice(
-                    index=i, delta=DeltaMessage(content=delta.text), logprobs=logprobs,
+                    index=i, delta=DeltaMessage(
+                        content=parsed.content or None if parsed.reasoning else parsed.content,
+                        reasoning_content=parsed.reasoning or None,
+                        tool_calls=parsed.tool_calls or None,
+                    ), logprobs=logprobs,
                     output_token_entropy=self.entropy_slice(
                         delta.meta_info, delta.token_start, req.return_entropy),
                 ))
             if delta.finish_reason is not None:
+                finish_reason = delta.finish_reason
+                if parsers[i].num_tool_calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
                 yield chunk(ChatCompletionStreamChoice(
-                    index=i, delta=DeltaMessage(), finish_reason=delta.finish_reason,
+                    index=i, delta=DeltaMessage(), finish_reason=finish_reason,
                     matched_stop=delta.matched_stop,
                     metadata=self.weight_metadata(delta.meta_info),
                 ))

@@ -1,0 +1,1 @@
+"""Parsers of model output for the OpenAI chat API (upstream's ``sglang.srt.parser``)."""

@@ -1,0 +1,128 @@
+"""--reasoning-parser and --tool-call-parser: the parsers alone, and the chat API's
+``reasoning_content`` / ``tool_calls`` (whole and streamed) read by the real OpenAI client from
+a server whose model output is scripted."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+import uvicorn
+from test_http_app import FakeTokenizerManager, _free_port
+
+from sglang.srt.entrypoints.http_server import create_app
+from sglang.srt.entrypoints.openai.protocol import Function, Tool
+from sglang.srt.function_call.function_call_parser import FunctionCallParser
+from sglang.srt.parser.reasoning_parser import ReasoningParser
+from sglang.srt.server_args import ServerArgs
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+QWEN_OUTPUT = ["<th", "ink>The user", " wants weather.</th", "ink>\n\n", "Let me check.",
+               "<tool_", "call>\n{\"name\": \"get_weather\", ", "\"arguments\": {\"city\": ",
+               "\"Paris\"}}\n</tool_call>"]
+
+
+def test_reasoning_parser_whole_and_streamed() -> None:
+    assert ReasoningParser("qwen3").parse_non_stream("<think>a b</think>\n\nAnswer") == (
+        "a b", "Answer")
+    assert ReasoningParser("qwen3").parse_non_stream("No thinking") == (None, "No thinking")
+    assert ReasoningParser("deepseek-r1").parse_non_stream("a</think>b") == ("a", "b")
+    parser = ReasoningParser("qwen3")
+    assert parser.detector.think_start_token == "<think>"
+    pieces = [parser.parse_stream_chunk(c) for c in ["<th", "ink>x", "y</thi", "nk>z"]]
+    assert pieces == [("", ""), ("x", ""), ("y", ""), ("", "z")]
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        ReasoningParser("nope")
+
+
+def test_function_call_parser_formats() -> None:
+    tools = [Tool(function=Function(name="get_weather", parameters={}))]
+    qwen = FunctionCallParser(tools, "qwen25")
+    text = 'Hi<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    assert qwen.has_tool_call(text)
+    content, calls = qwen.parse_non_stream(text)
+    assert content == "Hi" and [(c.name, json.loads(c.parameters)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})]
+    llama = FunctionCallParser([WEATHER], "llama3")
+    content, calls = llama.parse_non_stream(
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+        '{"name": "other", "parameters": {}}')
+    assert content == "" and [c.name for c in calls] == ["get_weather"]  # unknown tool dropped
+    content, calls = llama.parse_non_stream("{not json")
+    assert (content, calls) == ("{not json", [])
+
+
+class _ScriptedTM(FakeTokenizerManager):
+    """Writes the pieces of ``script`` as its output tokens, then stops."""
+
+    def __init__(self, script: list[str], **parsers: str) -> None:
+        super().__init__()
+        self.script = script
+        self.server_args = ServerArgs(model_path="/models/fake", device="cpu", **parsers)
+
+    def _step(self, single: Any, ids: list[int], params: Any, out: dict[str, Any]) -> None:
+        meta = out["meta_info"]
+        k = meta["completion_tokens"]
+        out["output_ids"].append(10 + k)
+        out["text"] += self.script[k]
+        meta["completion_tokens"] += 1
+        if k + 1 == len(self.script):
+            meta["finish_reason"] = {"type": "stop", "matched": 2}
+            self.active.pop(single.rid, None)
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[openai.OpenAI]:
+    tm = _ScriptedTM(QWEN_OUTPUT, reasoning_parser="qwen3", tool_call_parser="qwen25")
+    port = _free_port()
+    app = create_app(tm, ServerArgs(model_path="/models/fake", device="cpu", port=port))
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 10
+    while not server.started:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_chat_message_has_reasoning_and_tool_calls(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER])
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.reasoning_content == "The user wants weather."
+    assert choice.message.content == "\n\nLet me check."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    # Without tools in the request, the call stays text.
+    plain = client.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "weather?"}])
+    assert plain.choices[0].message.tool_calls is None
+    assert "<tool_call>" in plain.choices[0].message.content
+
+
+def test_chat_stream_has_reasoning_and_tool_call_deltas(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER],
+        stream=True)
+    reasoning, content, calls, finish = "", "", [], None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        reasoning += delta.reasoning_content or ""
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert reasoning == "The user wants weather."
+    assert content == "\n\nLet me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})]
+    assert finish == "tool_calls"

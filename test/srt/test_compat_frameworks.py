@@ -1,0 +1,153 @@
+"""The RL stack's own SGLang client code, installed from the package registry, against our
+servers on CPU (docs/compatibility.md). Each test is skipped, with the reason, only when its
+package is not installed (``make setup`` installs them)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from server_test_utils import ServerProcess, free_port
+
+GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def two_workers(tiny_model_dir: Callable[..., Path]) -> Iterator[list[ServerProcess]]:
+    model = tiny_model_dir("llama")
+    with ServerProcess(model, "--skip-server-warmup") as first, \
+            ServerProcess(model, "--skip-server-warmup") as second:
+        yield [first, second]
+
+
+@pytest.fixture(scope="module")
+def router_package() -> None:
+    pytest.importorskip("sglang_router", reason="sglang-router is not installed")
+
+
+@pytest.fixture(scope="module")
+def areal_package() -> None:
+    pytest.importorskip("areal.engine.sglang_remote", reason="areal is not installed")
+
+
+# The package fixtures come first, so that no server starts for a client that is not installed.
+@pytest.fixture(scope="module")
+def router(router_package: None, two_workers: list[ServerProcess]) -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+         "--port", str(port), "--policy", "power_of_two", "--worker-urls",
+         *(w.url for w in two_workers)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            assert time.monotonic() < deadline, "the router did not become ready"
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_router_spreads_generate_over_our_workers(router: str,
+                                                  two_workers: list[ServerProcess]) -> None:
+    # power_of_two picks workers by the load that /get_load reports.
+    direct = httpx.post(f"{two_workers[0].url}/generate", timeout=60,
+                        json={"input_ids": [5, 6, 7, 8], "sampling_params": GREEDY}).json()
+    for _ in range(4):
+        out = httpx.post(f"{router}/generate", timeout=60,
+                         json={"input_ids": [5, 6, 7, 8], "sampling_params": GREEDY})
+        assert out.status_code == 200, out.text
+        assert out.json()["output_ids"] == direct["output_ids"]
+    chat = httpx.post(f"{router}/v1/completions", timeout=60, json={
+        "model": "default", "prompt": "Once upon", "max_tokens": 4, "temperature": 0,
+        "ignore_eos": True})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_router_fans_out_flush_cache(router: str) -> None:
+    out = httpx.post(f"{router}/flush_cache", timeout=60)
+    assert out.status_code == 200, out.text
+
+
+@pytest.fixture(scope="module")
+def areal_engine(areal_package: None, two_workers: list[ServerProcess]) -> Iterator[object]:
+    from areal.api.cli_args import InferenceEngineConfig
+    from areal.engine import sglang_remote as remote
+
+    engine = remote.RemoteSGLangEngine(
+        InferenceEngineConfig(backend="sglang:d1", max_concurrent_rollouts=4))
+    engine.initialize(addr=[two_workers[0].url.removeprefix("http://")])
+    try:
+        yield engine
+    finally:
+        engine.destroy()
+
+
+def test_areal_remote_engine_generates_with_logprobs(areal_engine: object,
+                                                     two_workers: list[ServerProcess]) -> None:
+    import asyncio
+
+    from areal.api.cli_args import GenerationHyperparameters
+    from areal.api.io_struct import ModelRequest
+
+    direct = httpx.post(f"{two_workers[0].url}/generate", timeout=60,
+                        json={"input_ids": [5, 6, 7, 8], "sampling_params": GREEDY}).json()
+    gconfig = GenerationHyperparameters(max_new_tokens=4, greedy=True, ignore_eos=True)
+    resp = asyncio.run(areal_engine.agenerate(  # type: ignore[attr-defined]
+        ModelRequest(input_ids=[5, 6, 7, 8], gconfig=gconfig)))
+    assert list(resp.output_tokens) == direct["output_ids"]
+    assert len(resp.output_logprobs) == 4 and all(lp <= 0 for lp in resp.output_logprobs)
+    assert resp.stop_reason == "length"
+    areal_engine.pause_generation()  # type: ignore[attr-defined]
+    areal_engine.continue_generation()  # type: ignore[attr-defined]
+
+
+def test_skyrl_server_launcher_serves_token_in_token_out(
+        tiny_model_dir: Callable[..., Path]) -> None:
+    # skyrl-train requires Python 3.12; its launcher module imports only sglang names.
+    pytest.importorskip("skyrl_train", reason="skyrl-train is not installed (needs Python 3.12)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "skyrl_train.inference_engines.sglang.sglang_server",
+         "--model-path", str(tiny_model_dir("llama")), "--host", "127.0.0.1", "--port",
+         str(port), "--skip-server-warmup", "--mm-attention-backend", "fa3"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            assert time.monotonic() < deadline, "SkyRL's launcher did not become healthy"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        out = httpx.post(f"{url}/generate", timeout=60,
+                         json={"input_ids": [5, 6, 7, 8], "sampling_params": GREEDY}).json()
+        assert len(out["output_ids"]) == 4  # --skip-tokenizer-init: ids only
+        assert httpx.post(f"{url}/flush_cache", timeout=60).status_code == 200
+    finally:
+        proc.terminate()
+        assert proc.wait(30) is not None

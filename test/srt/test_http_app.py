@@ -24,6 +24,7 @@ import uvicorn
 from sglang.srt.entrypoints.http_server import create_app
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
 from sglang.srt.managers.io_struct import FlushCacheReqOutput, GenerateReqInput
+from sglang.srt.managers.request_validation import RequestLimits
 from sglang.srt.managers.tokenizer_manager import EnginePausedError
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
@@ -61,6 +62,8 @@ class FakeTokenizerManager:
         self.closed_unfinished: list[str] = []
         self.fail_with: Exception | None = None
         self.is_paused = False
+        self.limits = RequestLimits(vocab_size=VOCAB, context_len=64, max_req_input_len=63,
+                                    entropy_with_logprobs=False)
 
     def start(self) -> None:
         """Nothing to start: no sockets."""
@@ -68,7 +71,7 @@ class FakeTokenizerManager:
     def watch_processes(self, procs: list[Any]) -> None:
         """Nothing to watch."""
 
-    async def close(self) -> None:
+    async def close(self, reason: str = "") -> None:
         """Nothing to close."""
 
     async def generate_request(

@@ -24,8 +24,10 @@ import pytest
 from server_test_utils import ServerProcess
 
 from sglang.srt.entrypoints.engine import _make_request
+from sglang.srt.managers.detokenizer_manager import DetokenizerManager
 from sglang.srt.managers.io_struct import (
     AbortReq,
+    BatchTokenIDOutput,
     PauseGenerationReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightVersionReqInput,
@@ -351,3 +353,46 @@ def test_sigterm_answers_in_flight_requests_and_removes_the_ipc_dir(
     assert events[-1] == "data: [DONE]"
     assert "shutting down" in json.loads(events[-2][len("data: "):])["error"]["message"]
     assert ipc_dirs() == []
+
+
+# ---- fault isolation in the detokenizer ---------------------------------------------------------
+class _PickyTokenizer:
+    """Decodes ids as "<id>"; any sequence holding id 13 raises (a poisoned request)."""
+
+    def batch_decode(self, seqs: list[list[int]], skip_special_tokens: bool,
+                     spaces_between_special_tokens: bool) -> list[str]:
+        if any(13 in seq for seq in seqs):
+            raise ValueError("cannot decode 13")
+        return ["".join(f"<{i}>" for i in seq) for seq in seqs]
+
+
+def _token_msg(rids: list[str], ids: list[list[int]],
+               reasons: list[dict | None]) -> BatchTokenIDOutput:
+    n = len(rids)
+    return BatchTokenIDOutput(
+        rids=rids, finished_reasons=reasons, decode_ids=ids, skip_special_tokens=[True] * n,
+        spaces_between_special_tokens=[True] * n, no_stop_trim=[False] * n,
+        stop_str_max_len=[0] * n, prompt_tokens=[1] * n, completion_tokens=[len(i) for i in ids],
+        cached_tokens=[0] * n, retraction_counts=[0] * n,
+        output_token_entropy_val=[[0.5] * len(i) for i in ids],
+    )
+
+
+def test_detokenizer_fails_only_the_poisoned_request() -> None:
+    detok = DetokenizerManager(_PickyTokenizer())
+    out = detok.handle_batch_token_id_output(_token_msg(["a", "bad", "c"], [[1], [13], [3]],
+                                                        [None, None, None]))
+    assert out.rids == ["a", "bad", "c"] and out.output_strs == ["<1>", "", "<3>"]
+    assert out.finished_reasons[0] is None and out.finished_reasons[2] is None
+    assert out.finished_reasons[1]["type"] == "abort"
+    assert "cannot decode 13" in out.finished_reasons[1]["message"]
+    assert out.output_token_entropy_val == [[0.5], [0.5], [0.5]]
+    # The others go on exactly where they were (no id decoded twice); the failed rid's later
+    # ids are dropped until the scheduler's final message for it.
+    out = detok.handle_batch_token_id_output(_token_msg(["a", "bad", "c"], [[2], [5], [4]],
+                                                        [None, None, None]))
+    assert out.rids == ["a", "c"] and out.output_strs == ["<2>", "<4>"]
+    out = detok.handle_batch_token_id_output(
+        _token_msg(["bad", "a"], [[6], [7]], [{"type": "length", "length": 3}, None]))
+    assert out.rids == ["a"] and out.output_strs == ["<7>"] and not detok.failed_rids
+    assert detok.states["a"].ids == [1, 2, 7]

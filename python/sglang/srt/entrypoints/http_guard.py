@@ -180,7 +180,7 @@ class GuardMiddleware:
     def _authorized(self, headers: dict[str, str]) -> bool:
         scheme, _, token = headers.get("authorization", "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
+            token.strip().encode(), (self.api_key or "").encode()
         )
 
     async def _read_body(
@@ -258,10 +258,12 @@ def add_error_handlers(app: FastAPI) -> None:
     ValueError 400, RuntimeError (engine died) 503, anything else 500."""
 
     async def on_validation(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
         message, param = validation_message(exc)
         return error_response(message, 400, param)
 
     async def on_http(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
         return error_response(str(exc.detail), exc.status_code)
 
     async def on_engine_error(request: Request, exc: Exception) -> Response:

@@ -159,6 +159,8 @@ class DetokenizerManager:
 
     def _decode_batch(self, msg: BatchTokenIDOutput) -> list[str]:
         """Advance every rid's decode state; returns the text each may emit now."""
+        tokenizer = self.tokenizer
+        assert tokenizer is not None  # the caller passes ids through without one
         states = []
         for i, rid in enumerate(msg.rids):
             state = self.states.setdefault(rid, DecodeState())
@@ -173,7 +175,7 @@ class DetokenizerManager:
         for (skip, spaces), members in groups.items():
             windows = [states[i].ids[states[i].surr_offset:states[i].read_offset] for i in members]
             fulls = [states[i].ids[states[i].surr_offset:] for i in members]
-            texts = self.tokenizer.batch_decode(
+            texts = tokenizer.batch_decode(
                 windows + fulls,
                 skip_special_tokens=skip,
                 spaces_between_special_tokens=spaces,
@@ -232,8 +234,8 @@ def _concat_tokens(parts: list[BatchTokenIDOutput], template: BatchTokenIDOutput
     """``parts`` as one message; with none, ``template`` with every per-rid list empty."""
     if parts:
         return _concat(parts)
-    empty = {f.name: [] for f in dataclasses.fields(template)
-             if isinstance(getattr(template, f.name), list)}
+    empty: dict[str, Any] = {f.name: [] for f in dataclasses.fields(template)
+                             if isinstance(getattr(template, f.name), list)}
     return dataclasses.replace(template, **empty)
 
 
@@ -326,7 +328,8 @@ def run_detokenizer_process(
         )
         tokenizer = None
         if not server_args.skip_tokenizer_init:
-            tokenizer = get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
+            tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path,
+                                      server_args.trust_remote_code)
     except Exception as e:  # reported to the launcher verbatim, like the scheduler's
         logger.exception("Detokenizer failed to start")
         pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})

@@ -11,6 +11,7 @@ Both raise :class:`~sglang.srt.managers.field_checks.InvalidRequestError` (a Val
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,14 +193,27 @@ def check_generate_input(obj: GenerateReqInput, limits: RequestLimits) -> None:
         )
     _check_rids(obj.rid, num_prompts, is_batch)
     top_max = min(limits.max_top_logprobs_num, limits.vocab_size)
-    for name, check in (
-        ("return_logprob", check_bool),
-        ("return_entropy", check_bool),
-        ("logprob_start_len", lambda p, v: check_int(p, v, -1, limits.context_len)),
-        ("top_logprobs_num", lambda p, v: check_int(p, v, 0, top_max)),
-        ("entropy_mode", lambda p, v: v is None or check_choice(p, v, tuple(ENTROPY_MODES))),
-        ("entropy_top_k", lambda p, v: v is None or check_int(p, v, 0, limits.vocab_size)),
-    ):
+
+    def start_len(param: str, value: Any) -> None:
+        check_int(param, value, -1, limits.context_len)
+
+    def top_num(param: str, value: Any) -> None:
+        check_int(param, value, 0, top_max)
+
+    def entropy_mode(param: str, value: Any) -> None:
+        if value is not None:
+            check_choice(param, value, tuple(ENTROPY_MODES))
+
+    def entropy_top_k(param: str, value: Any) -> None:
+        if value is not None:
+            check_int(param, value, 0, limits.vocab_size)
+
+    checks: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
+        ("return_logprob", check_bool), ("return_entropy", check_bool),
+        ("logprob_start_len", start_len), ("top_logprobs_num", top_num),
+        ("entropy_mode", entropy_mode), ("entropy_top_k", entropy_top_k),
+    )
+    for name, check in checks:
         _check_per_request(name, getattr(obj, name), num_prompts, is_batch, check)
     for name in ("return_text_in_logprobs", "stream", "log_metrics"):
         check_bool(name, getattr(obj, name))
@@ -295,7 +309,8 @@ def _check_per_prompt(name: str, values: list, num_prompts: int) -> None:
 
 
 def _check_per_request(
-    name: str, value: Any, num_prompts: int, is_batch: bool, check: Any
+    name: str, value: Any, num_prompts: int, is_batch: bool,
+    check: Callable[[str, Any], None],
 ) -> None:
     """A field given once or as a list with one entry per prompt; each entry is checked."""
     if isinstance(value, list):

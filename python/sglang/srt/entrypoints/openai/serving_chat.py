@@ -55,6 +55,7 @@ class OpenAIServingChat(OpenAIServingBase):
 
     async def handle(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         _check_request(req)
+        self.check_num_choices(req.n, 1)
         input_ids = await self._render_off_loop(req)
         obj = self._to_generate(req, input_ids)
         tracker = self.metrics.new_request(stream=req.stream)

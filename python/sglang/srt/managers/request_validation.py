@@ -279,13 +279,13 @@ def _check_ids(name: str, ids: Any, limits: RequestLimits) -> None:
                   f"({limits.context_len} tokens)",
         )
     for i, token_id in enumerate(ids):
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or not (
-            0 <= token_id < limits.vocab_size
-        ):
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
             raise InvalidRequestError(
-                f"{name}[{i}]", f"must be a token id (an integer in [0, {limits.vocab_size})), "
-                                f"got {describe(token_id)}",
-            )
+                f"{name}[{i}]", f"must be an integer token id, got {describe(token_id)}")
+        if not 0 <= token_id < limits.vocab_size:
+            raise InvalidRequestError(
+                f"{name}[{i}]", f"token id {describe(token_id)} is out of range "
+                                f"[0, {limits.vocab_size})")
 
 
 def _check_rids(rid: Any, num_prompts: int, is_batch: bool) -> None:

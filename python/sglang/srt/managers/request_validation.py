@@ -180,7 +180,8 @@ def check_generate_input(obj: GenerateReqInput, limits: RequestLimits) -> None:
         num_copies = sum(
             _sampling_n(limits, p, f"sampling_params[{i}]") for i, p in enumerate(params)
         )
-    elif isinstance(params, list) and len(params) == 1:
+    elif isinstance(params, list):  # a single prompt: a one-entry list is accepted
+        _check_per_prompt("sampling_params", params, 1)
         num_copies = _sampling_n(limits, params[0], "sampling_params[0]")
     else:
         num_copies = num_prompts * _sampling_n(limits, params, "sampling_params")
@@ -304,7 +305,8 @@ def _check_rids(rid: Any, num_prompts: int, is_batch: bool) -> None:
 def _check_per_prompt(name: str, values: list, num_prompts: int) -> None:
     if len(values) != num_prompts:
         raise InvalidRequestError(
-            name, f"has {len(values)} entries for {num_prompts} prompt(s); give one per prompt"
+            name, f"'{name}' has {len(values)} entries for {num_prompts} prompt(s); give one "
+                  "per prompt"
         )
 
 

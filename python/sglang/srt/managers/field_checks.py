@@ -63,9 +63,9 @@ def check_str(param: str, value: Any, max_len: int, min_len: int = 0) -> None:
     if not isinstance(value, str):
         raise InvalidRequestError(param, f"must be a string, got {describe(value)}")
     if not min_len <= len(value) <= max_len:
-        raise InvalidRequestError(
-            param, f"must have {min_len} to {max_len} characters, got {len(value)}"
-        )
+        size = f"a non-empty string of at most {max_len}" if min_len == 1 else (
+            f"a string of {min_len} to {max_len}")
+        raise InvalidRequestError(param, f"must be {size} characters, got {len(value)}")
     check_unicode(param, value)
 
 

@@ -10,7 +10,7 @@ without doing anything. In order, a request is refused with:
 * 403 when a browser marks it cross-site (an ``Origin`` other than the server itself, or
   ``Sec-Fetch-Site: cross-site``) and it is not a GET/HEAD;
 * 405 when a state-changing endpoint (:data:`CONTROL_PATHS`) is called with another method
-  than POST, 415 when its body is not sent as JSON;
+  than POST, 415 when its body is sent with another content type than JSON;
 * 413 for a body over the limit, 400 for a bad Content-Length;
 * 400 when a JSON body is not strict JSON (NaN, Infinity, a number out of the float range, a
   lone surrogate escape); a leading UTF-8 byte order mark is dropped.
@@ -210,12 +210,13 @@ class GuardMiddleware:
 
 
 def _body_refusal(path: str, headers: dict[str, str], messages: list[Message]) -> Response | None:
-    """415 for a control request whose body is not JSON; 400 for a JSON body that is not strict
-    JSON (what the app would parse as JSON: a JSON content type, or none)."""
+    """415 for a control request whose body is sent with another content type than JSON (a
+    form, text/plain); 400 for a JSON body (a JSON content type, or none: parsed as JSON by
+    the app) that is not strict JSON."""
     body = messages[0].get("body", b"") if messages else b""
     content_type = headers.get("content-type")
     is_json = content_type is None or _is_json_type(content_type)
-    if path in CONTROL_PATHS and body and not (content_type and _is_json_type(content_type)):
+    if path in CONTROL_PATHS and body and not is_json:
         return error_response(
             f"{path} takes a JSON body: send it with Content-Type: application/json", 415)
     if not body or not is_json:

@@ -301,7 +301,8 @@ def test_engine_requests_are_refused_before_sending(tm: TokenizerManager, kwargs
 
 
 @pytest.mark.parametrize("req", [
-    PauseGenerationReqInput(mode="sideways"),  # type: ignore[arg-type]
+    PauseGenerationReqInput(mode=3),  # type: ignore[arg-type]
+    PauseGenerationReqInput(mode="x" * 100),  # type: ignore[arg-type]
     PauseGenerationReqInput(mode="abort", timeout_s=float("nan")),
     PauseGenerationReqInput(mode="abort", clear_cache="yes"),  # type: ignore[arg-type]
     AbortReq(rid="\ud800"),

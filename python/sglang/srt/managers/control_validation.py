@@ -23,7 +23,6 @@ from sglang.srt.managers.field_checks import (
     check_str,
 )
 from sglang.srt.managers.io_struct import (
-    PAUSE_MODES,
     AbortReq,
     GetWeightsByNameReqInput,
     PauseGenerationReqInput,
@@ -40,6 +39,8 @@ MAX_LABEL_LEN = 256
 MAX_PATH_LEN = 4096
 # Longest rid prefix an abort may name, and the longest weight name.
 MAX_NAME_LEN = 1024
+# Longest pause mode name (the modes and their aliases are short words).
+MAX_MODE_LEN = 32
 # Longest pause lease: one week.
 MAX_PAUSE_TIMEOUT_S = 7 * 24 * 3600.0
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy", "direct")
@@ -71,7 +72,8 @@ def check_checkpoint_path(path: Any) -> None:
 
 
 def _check_pause(req: PauseGenerationReqInput) -> None:
-    check_choice("mode", req.mode, PAUSE_MODES)
+    # The scheduler resolves the mode (aliases included) and refuses unknown ones by name.
+    check_str("mode", req.mode, MAX_MODE_LEN, min_len=1)
     check_bool("clear_cache", req.clear_cache)
     if req.timeout_s is not None:
         check_number("timeout_s", req.timeout_s, 0.0, MAX_PAUSE_TIMEOUT_S)

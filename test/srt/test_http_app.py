@@ -41,6 +41,7 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightVersionReqInput,
     UpdateWeightVersionReqOutput,
 )
+from sglang.srt.managers.request_validation import RequestLimits
 from sglang.srt.managers.tokenizer_manager import EnginePausedError, TokenizerManager
 from sglang.srt.managers.tokenizer_manager_protocol import TokenizerManagerProtocol
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -86,6 +87,8 @@ class FakeTokenizerManager:
         self.fail_with: Exception | None = None
         self.is_paused = False
         self.memory_released = False
+        self.limits = RequestLimits(vocab_size=VOCAB, context_len=64, max_req_input_len=63,
+                                    entropy_with_logprobs=False)
 
     def start(self) -> None:
         """Nothing to start: no sockets."""
@@ -93,7 +96,7 @@ class FakeTokenizerManager:
     def watch_processes(self, procs: list[Any]) -> None:
         """Nothing to watch."""
 
-    async def close(self) -> None:
+    async def close(self, reason: str = "") -> None:
         """Nothing to close."""
 
     async def generate_request(
@@ -442,9 +445,11 @@ def test_abort_request_endpoint(server: _Server) -> None:
 
 
 def test_flush_cache(server: _Server) -> None:
-    for method in ("GET", "POST"):
-        r = httpx.request(method, server.url + "/flush_cache")
-        assert r.status_code == 200 and "flushed" in r.text
+    r = httpx.post(server.url + "/flush_cache")
+    assert r.status_code == 200 and "flushed" in r.text
+    # State-changing: GET (an <img> tag on any web page) is refused.
+    r = httpx.get(server.url + "/flush_cache")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
     server.tm.active["busy"] = 1
     try:
         r = httpx.post(server.url + "/flush_cache")

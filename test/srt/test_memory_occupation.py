@@ -124,7 +124,7 @@ def test_http_endpoints(tiny_model_dir) -> None:
         assert released.json()["released_tags"] == ["kv_cache"]
         # Liveness holds while released (nothing could decode: a scheduler round trip instead).
         assert requests.get(f"{url}/health_generate", timeout=10).status_code == 200
-        resumed = requests.get(f"{url}/resume_memory_occupation")  # no body: every tag
+        resumed = requests.post(f"{url}/resume_memory_occupation")  # no body: every tag
         assert resumed.status_code == 200 and resumed.json()["released_tags"] == []
         body = {"input_ids": PROMPT, "sampling_params": GREEDY}
         out = requests.post(f"{url}/generate", json=body)

@@ -262,7 +262,7 @@ def test_refused_updates_change_nothing(engine, ckpt) -> None:
     reference = run()
     cache_size = _state(engine)["tree_cache_size"]
     refusals = {
-        str(ckpt["A"]) + "-nope": "does not exist",
+        str(ckpt["A"]) + "-nope": "not a loadable checkpoint",
         str(ckpt["missing"]): "down_proj.weight",
         str(ckpt["shape"]): "shape mismatch",
         str(ckpt["rope"]): "rope_parameters",
@@ -348,7 +348,7 @@ def test_weight_endpoints_over_http(server, ckpt, hf) -> None:
     url = server.url
     bad = httpx.post(url + "/update_weights_from_disk", json={"model_path": "/no/such/dir"})
     assert bad.status_code == 400
-    assert bad.json()["success"] is False and "does not exist" in bad.json()["message"]
+    assert bad.json()["success"] is False and "not a loadable checkpoint" in bad.json()["message"]
     r = httpx.post(url + "/update_weights_from_disk", timeout=60,
                    json={"model_path": str(ckpt["B"]), "weight_version": "B"})
     assert r.status_code == 200 and r.json()["success"] is True

@@ -173,6 +173,24 @@ class ServerArgs:
     log_requests: bool = _arg(False, "Log every request and its output.")
     enable_metrics: bool = _arg(False, "Expose Prometheus metrics at /metrics.")
 
+    # Request limits and HTTP security defaults (docs/security.md)
+    max_request_batch_size: int = _arg(
+        8192, "Most generations one request may ask for: prompts in the batch times n."
+    )
+    max_prompt_bytes: int = _arg(
+        8 * 1024 * 1024, "Largest text prompt in UTF-8 bytes, refused before tokenizing."
+    )
+    max_top_logprobs_num: int = _arg(128, "Largest top_logprobs_num a request may ask for.")
+    max_stop_strings: int = _arg(64, "Most stop strings per request.")
+    max_stop_str_len: int = _arg(512, "Longest stop string, in characters.")
+    allowed_hosts: str | None = _arg(
+        None,
+        "Comma-separated Host header names the HTTP server answers (against DNS rebinding); "
+        "'*.example.com' matches subdomains, '*' disables the check. Default: the --host "
+        "address, localhost, and any IP address (with --host 0.0.0.0 or :: also this "
+        "machine's host names).",
+    )
+
     # Per-token entropy (docs/entropy.md)
     entropy_mode: str = _arg(
         "raw",
@@ -270,6 +288,10 @@ class ServerArgs:
         ):
             if value is not None and value not in choices:
                 raise ValueError(f"{flag} must be one of {choices}, got {value!r}")
+        for name in ("max_request_batch_size", "max_prompt_bytes", "max_top_logprobs_num",
+                     "max_stop_strings", "max_stop_str_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
 
     # ---- CLI generated from the fields -------------------------------------------------------
     @staticmethod

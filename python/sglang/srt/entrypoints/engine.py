@@ -120,7 +120,7 @@ def launch_engine_processes(
         tokenizer_manager.watch_processes(procs)
     except BaseException:
         _kill_processes(procs)
-        _remove_ipc_dir(port_args)
+        remove_ipc_dir(port_args)
         raise
     finally:
         for reader in readers:
@@ -163,7 +163,8 @@ def _kill_processes(procs: list[mp.Process]) -> None:
             proc.join(_SHUTDOWN_STEP_TIMEOUT_S)
 
 
-def _remove_ipc_dir(port_args: PortArgs) -> None:
+def remove_ipc_dir(port_args: PortArgs) -> None:
+    """Remove the private directory of the IPC sockets (after the processes are gone)."""
     path = port_args.tokenizer_ipc_name.removeprefix("ipc://")
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
@@ -501,7 +502,7 @@ class Engine:
                 logger.warning("Closing the tokenizer manager failed", exc_info=True)
         _kill_processes(self._procs)
         if tm is not None:
-            _remove_ipc_dir(tm.port_args)
+            remove_ipc_dir(tm.port_args)
         if loop is not None:
             loop.call_soon_threadsafe(loop.stop)
             if thread is not None and not on_loop_thread:

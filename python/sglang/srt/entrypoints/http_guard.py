@@ -1,17 +1,32 @@
-"""What stands between a client and every endpoint: API-key auth, the request-size limit, and
-the conversion of every error into ``{"error": {"message", "type", "param", "code"}}``.
+"""What stands between a client and every endpoint: the Host allow-list, API-key auth, the
+cross-site request rules, the request-size limit, strict JSON, and the conversion of every
+error into ``{"error": {"message", "type", "param", "code"}}`` (docs/security.md).
 
-Auth and the size limit live in one ASGI middleware, so endpoints added to the app later are
-covered without doing anything.
+All the checks live in one ASGI middleware, so endpoints added to the app later are covered
+without doing anything. In order, a request is refused with:
+
+* 400 when its ``Host`` header is not allowed (against DNS rebinding; :class:`HostAllowList`);
+* 401 without ``Authorization: Bearer <api_key>`` (when a key is set; /health is public);
+* 403 when a browser marks it cross-site (an ``Origin`` other than the server itself, or
+  ``Sec-Fetch-Site: cross-site``) and it is not a GET/HEAD;
+* 405 when a state-changing endpoint (:data:`CONTROL_PATHS`) is called with another method
+  than POST, 415 when its body is sent with another content type than JSON;
+* 413 for a body over the limit, 400 for a bad Content-Length;
+* 400 when a JSON body is not strict JSON (NaN, Infinity, a number out of the float range, a
+  lone surrogate escape); a leading UTF-8 byte order mark is dropped.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import re
+import socket
 from typing import Any
+from urllib.parse import urlsplit
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -29,43 +44,110 @@ MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 PAUSED_RETRY_S = 1
 # Endpoints reachable without the API key.
 _PUBLIC_PATHS = frozenset({"/health"})
+# Endpoints that change the server's state: POST only, with a JSON body (or none).
+CONTROL_PATHS = frozenset({
+    "/flush_cache", "/pause_generation", "/continue_generation", "/abort_request",
+    "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weight_version",
+    "/release_memory_occupation", "/resume_memory_occupation",
+})
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+_UTF8_BOM = b"\xef\xbb\xbf"
+_WILDCARD_BIND = frozenset({"0.0.0.0", "::", ""})
 # How many validation problems one error message lists.
 _MAX_LISTED_ERRORS = 3
 # Location parts that pydantic adds for the member types of a union (not field names).
 _UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\])$")
 
 
+class HostAllowList:
+    """Which ``Host`` header names the server answers.
+
+    ``spec`` is ``--allowed-hosts``: comma-separated names, ``*.example.com`` for subdomains,
+    ``*`` for any. None: ``bind_host``, ``localhost`` and, when bound to every interface, this
+    machine's host names. Any IP address is always allowed: DNS rebinding needs a name.
+    """
+
+    def __init__(self, spec: str | None, bind_host: str) -> None:
+        if spec is not None:
+            names = {n.strip().lower().rstrip(".") for n in spec.split(",") if n.strip()}
+        else:
+            names = {bind_host.lower(), "localhost"}
+            if bind_host in _WILDCARD_BIND:
+                names |= {socket.gethostname().lower(), socket.getfqdn().lower()}
+        self.any_host = "*" in names
+        self.suffixes = tuple(n[1:] for n in names if n.startswith("*."))
+        self.names = frozenset(n for n in names if not n.startswith("*"))
+
+    def allows(self, host_header: str | None) -> bool:
+        """Whether a request with this ``Host`` header (port included) is answered."""
+        if self.any_host:
+            return True
+        if not host_header:
+            return False
+        name = _host_name(host_header)
+        return _is_ip(name) or name in self.names or name.endswith(self.suffixes)
+
+
+def _host_name(host_header: str) -> str:
+    """``Host`` without the port, lower case: ``[::1]:80`` -> ``::1``, ``a.b:80`` -> ``a.b``."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0].rstrip(".") if ":" in host else host.rstrip(".")
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_json_type(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/")
+                                           and media.endswith("+json"))
+
+
+def _cross_site(method: str, headers: dict[str, str]) -> bool:
+    """Whether a browser sent this state-changing request from another site's page."""
+    if method in _SAFE_METHODS:
+        return False
+    if headers.get("sec-fetch-site", "") in ("cross-site", "same-site"):
+        return True
+    origin = headers.get("origin")
+    if origin is None:
+        return False  # not sent by a browser (curl, requests, SDKs)
+    return origin == "null" or urlsplit(origin).netloc.lower() != headers.get("host", "").lower()
+
+
 class GuardMiddleware:
-    """ASGI middleware: 401 without ``Authorization: Bearer <api_key>`` (when a key is set, on
-    every path but /health), 413 for a body over ``max_body_bytes``, 400 for a bad
-    Content-Length. A chunked body is buffered (up to the limit) before the app sees it."""
+    """ASGI middleware applying the rules of the module docstring, in that order. Every body
+    is buffered (up to ``max_body_bytes``) before the app sees it."""
 
     def __init__(self, app: ASGIApp, api_key: str | None,
-                 max_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> None:
+                 max_body_bytes: int = MAX_REQUEST_BODY_BYTES,
+                 allowed_hosts: HostAllowList | None = None) -> None:
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.allowed_hosts = allowed_hosts or HostAllowList("*", "")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key and scope["path"] not in _PUBLIC_PATHS and not self._authorized(headers):
-            await error_response("Invalid or missing API key", 401)(scope, receive, send)
+        refusal = self._refusal(scope, headers)
+        if refusal is None:
+            buffered, refusal = await self._read_body(headers, receive)
+        if refusal is not None:
+            await refusal(scope, receive, send)
             return
-        length = headers.get("content-length")
-        if length is not None:
-            if not length.isdigit():
-                await error_response("Invalid Content-Length header", 400)(scope, receive, send)
-            elif int(length) > self.max_body_bytes:
-                await self._too_large(scope, receive, send)
-            else:
-                await self.app(scope, receive, send)
-            return
-        buffered = await self._read_body(receive)
-        if buffered is None:
-            await self._too_large(scope, receive, send)
+        refusal = _body_refusal(scope["path"], headers, buffered)
+        if refusal is not None:
+            await refusal(scope, receive, send)
             return
 
         async def replay() -> Message:
@@ -73,32 +155,77 @@ class GuardMiddleware:
 
         await self.app(scope, replay, send)
 
+    def _refusal(self, scope: Scope, headers: dict[str, str]) -> Response | None:
+        """The response refusing a request by its headers, or None."""
+        path, method = scope["path"], scope["method"]
+        if not self.allowed_hosts.allows(headers.get("host")):
+            return error_response(
+                f"Host {headers.get('host')!r} is not allowed; start the server with "
+                "--allowed-hosts to answer it", 400)
+        if self.api_key and path not in _PUBLIC_PATHS and not self._authorized(headers):
+            return error_response("Invalid or missing API key", 401)
+        if _cross_site(method, headers):
+            return error_response("Cross-site requests are refused", 403)
+        if path in CONTROL_PATHS and method != "POST":
+            return error_response(
+                f"Method {method} not allowed: {path} changes the server's state and accepts "
+                "only POST", 405, headers={"Allow": "POST"})
+        length = headers.get("content-length")
+        if length is not None and not length.isdigit():
+            return error_response("Invalid Content-Length header", 400)
+        if length is not None and int(length) > self.max_body_bytes:
+            return self._too_large()
+        return None
+
     def _authorized(self, headers: dict[str, str]) -> bool:
         scheme, _, token = headers.get("authorization", "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
+            token.strip().encode(), (self.api_key or "").encode()
         )
 
-    async def _read_body(self, receive: Receive) -> list[Message] | None:
-        """The body messages of a request without Content-Length; None when over the limit."""
-        messages: list[Message] = []
+    async def _read_body(
+        self, headers: dict[str, str], receive: Receive
+    ) -> tuple[list[Message], Response | None]:
+        """The whole body as one message (a leading UTF-8 BOM dropped), or a 413 refusal when
+        it grows over the limit. A disconnect while reading is passed on as it came."""
+        chunks: list[bytes] = []
         size = 0
         while True:
             message = await receive()
-            messages.append(message)
             if message["type"] != "http.request":
-                return messages
-            size += len(message.get("body", b""))
+                return [message], None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
             if size > self.max_body_bytes:
-                return None
+                return [], self._too_large()
             if not message.get("more_body", False):
-                return messages
+                break
+        body = b"".join(chunks).removeprefix(_UTF8_BOM)
+        return [{"type": "http.request", "body": body, "more_body": False}], None
 
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(
+    def _too_large(self) -> Response:
+        return error_response(
             f"Request body too large: the limit is {self.max_body_bytes} bytes", 413
         )
-        await response(scope, receive, send)
+
+
+def _body_refusal(path: str, headers: dict[str, str], messages: list[Message]) -> Response | None:
+    """415 for a control request whose body is sent with another content type than JSON (a
+    form, text/plain); 400 for a JSON body (a JSON content type, or none: parsed as JSON by
+    the app) that is not strict JSON."""
+    body = messages[0].get("body", b"") if messages else b""
+    content_type = headers.get("content-type")
+    is_json = content_type is None or _is_json_type(content_type)
+    if path in CONTROL_PATHS and body and not is_json:
+        return error_response(
+            f"{path} takes a JSON body: send it with Content-Type: application/json", 415)
+    if not body or not is_json:
+        return None
+    try:
+        orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        return error_response(f"Malformed JSON body: {e}", 400)
+    return None
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -132,10 +259,12 @@ def add_error_handlers(app: FastAPI) -> None:
     ValueError 400, RuntimeError (engine died) 503, anything else 500."""
 
     async def on_validation(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
         message, param = validation_message(exc)
         return error_response(message, 400, param)
 
     async def on_http(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
         return error_response(str(exc.detail), exc.status_code)
 
     async def on_engine_error(request: Request, exc: Exception) -> Response:
@@ -145,7 +274,7 @@ def add_error_handlers(app: FastAPI) -> None:
             return error_response(str(exc), 503, headers={"Retry-After": str(PAUSED_RETRY_S)})
         if status >= 500:
             logger.error("Request to %s failed: %s", request.url.path, exc)
-        return error_response(str(exc) or type(exc).__name__, status)
+        return error_response(str(exc) or type(exc).__name__, status, getattr(exc, "param", None))
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("Unexpected error in %s", request.url.path, exc_info=exc)

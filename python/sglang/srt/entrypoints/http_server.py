@@ -26,7 +26,12 @@ from pydantic import BaseModel, ConfigDict
 import sglang
 from sglang.srt.entrypoints import engine_weights
 from sglang.srt.entrypoints.http_compat import router as compat_router
-from sglang.srt.entrypoints.http_guard import GuardMiddleware, add_error_handlers
+from sglang.srt.entrypoints.http_guard import (
+    GuardMiddleware,
+    HostAllowList,
+    add_error_handlers,
+)
+from sglang.srt.entrypoints.http_shutdown import GracefulServer
 from sglang.srt.entrypoints.http_weights import router as weights_router
 from sglang.srt.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -79,7 +84,7 @@ class GenerateRequest(BaseModel):
     refused when set, rather than silently giving a different result.
     """
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -109,6 +114,8 @@ class GenerateRequest(BaseModel):
 
 
 class AbortRequestBody(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     rid: str = ""
     abort_all: bool = False
     match_prefix: bool = False  # abort every rid that starts with ``rid``
@@ -116,6 +123,8 @@ class AbortRequestBody(BaseModel):
 
 class PauseGenerationBody(BaseModel):
     """Body of /pause_generation (see io_struct.PauseGenerationReqInput)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
     mode: str = "abort"
     clear_cache: bool = False
@@ -242,9 +251,10 @@ async def get_server_info(request: Request) -> Response:
     })
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@router.post("/flush_cache")
 async def flush_cache(request: Request) -> Response:
-    """200 with a text body when the cache was flushed, 400 with the reason when refused."""
+    """200 with a text body when the cache was flushed, 400 with the reason when refused.
+    POST only: a GET could be sent by any web page (docs/security.md)."""
     result = await _tm(request).flush_cache()
     if result.success:
         return PlainTextResponse("Cache flushed.\n")
@@ -441,7 +451,8 @@ def create_app(
     app.include_router(weights_router)
     app.include_router(compat_router)
     add_error_handlers(app)
-    app.add_middleware(GuardMiddleware, api_key=server_args.api_key)
+    app.add_middleware(GuardMiddleware, api_key=server_args.api_key,
+                       allowed_hosts=HostAllowList(server_args.allowed_hosts, server_args.host))
     return app
 
 
@@ -453,7 +464,7 @@ def launch_server(server_args: ServerArgs) -> None:
     """
     import uvicorn
 
-    from sglang.srt.entrypoints.engine import launch_engine_processes
+    from sglang.srt.entrypoints.engine import launch_engine_processes, remove_ipc_dir
 
     configure_logger(server_args.log_level)
     try:
@@ -468,7 +479,7 @@ def launch_server(server_args: ServerArgs) -> None:
             log_level=server_args.log_level, access_log=False, timeout_keep_alive=5,
             timeout_graceful_shutdown=5,
         )
-        server = uvicorn.Server(config)
+        server = GracefulServer(config, tokenizer_manager)
         app.state.uvicorn_server = server
         # uvicorn shuts down gracefully on SIGTERM, then re-raises it under the previous
         # handler; the default one would end the process before the engine is killed below.
@@ -477,5 +488,6 @@ def launch_server(server_args: ServerArgs) -> None:
     finally:
         for proc in processes:
             kill_process_tree(proc.pid)
+        remove_ipc_dir(tokenizer_manager.port_args)
     if app.state.failed:
         raise SystemExit(1)

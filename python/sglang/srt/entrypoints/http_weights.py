@@ -9,8 +9,8 @@ error handlers cover these endpoints like every other.
 | POST /update_weights_from_disk | model_path, load_format?, weight_version?, flush_cache, abort_all_requests | {success, message, num_paused_requests}; 400 when refused |
 | GET/POST /get_weights_by_name | name, truncate_size | nested float lists; 400 when unknown |
 | POST /update_weight_version | new_version, abort_all_requests (false) | {success, message, new_version, num_aborted} |
-| GET/POST /release_memory_occupation | tags? (null = all) | {success, message, released_tags}; 400 when refused |
-| GET/POST /resume_memory_occupation | tags? (null = all) | {success, message, released_tags} |
+| POST /release_memory_occupation | tags? (null = all) | {success, message, released_tags}; 400 when refused |
+| POST /resume_memory_occupation | tags? (null = all) | {success, message, released_tags} |
 """  # noqa: E501 - the table is documentation
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from sglang.srt.entrypoints.openai.serving_base import error_body, json_response
 from sglang.srt.managers.io_struct import (
@@ -34,6 +34,8 @@ router = APIRouter()
 
 
 class UpdateWeightsFromDiskBody(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     model_path: str
     load_format: str | None = None
     weight_version: str | None = None
@@ -42,16 +44,22 @@ class UpdateWeightsFromDiskBody(BaseModel):
 
 
 class GetWeightsByNameBody(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     name: str
     truncate_size: int = 100
 
 
 class UpdateWeightVersionBody(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     new_version: str
     abort_all_requests: bool = False  # upstream defaults to true; relabelling alone aborts nothing
 
 
 class MemoryOccupationBody(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     tags: list[str] | None = None  # "kv_cache", "weights", "cuda_graph"; null = all
 
 
@@ -97,7 +105,7 @@ async def update_weight_version(body: UpdateWeightVersionBody, request: Request)
                           "new_version": out.new_version, "num_aborted": out.num_aborted})
 
 
-@router.api_route("/release_memory_occupation", methods=["GET", "POST"])
+@router.post("/release_memory_occupation")
 async def release_memory_occupation(
     request: Request, body: MemoryOccupationBody | None = None
 ) -> Response:
@@ -108,7 +116,7 @@ async def release_memory_occupation(
     return _memory_reply(out)
 
 
-@router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+@router.post("/resume_memory_occupation")
 async def resume_memory_occupation(
     request: Request, body: MemoryOccupationBody | None = None
 ) -> Response:

@@ -20,6 +20,7 @@ string that the final text trims.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -86,13 +87,55 @@ class DetokenizerManager:
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, DecodeState] = {}
+        # Rids whose decoding failed: finished for their caller, their later ids are dropped
+        # until the scheduler's final message for them.
+        self.failed_rids: set[str] = set()
 
     def handle_batch_token_id_output(self, msg: BatchTokenIDOutput) -> BatchStrOutput:
-        """Decode the new ids of every rid of ``msg``; drops the state of finished rids."""
+        """Decode the new ids of every rid of ``msg``; drops the state of finished rids.
+
+        Fault isolation: when decoding the batch raises, each rid is decoded alone; a rid that
+        still fails is finished with ``{"type": "abort", "message": ...}`` and the others are
+        served. Raises only when even that is impossible (a malformed message).
+        """
+        saved = {rid: dataclasses.replace(self.states[rid], ids=list(self.states[rid].ids))
+                 for rid in msg.rids if rid in self.states}
+        try:
+            return self._handle_batch(msg)
+        except Exception:
+            logger.exception("Decoding a batch of %d request(s) failed; isolating the failure",
+                             len(msg.rids))
+        for rid in msg.rids:  # undo the partial progress of the failed attempt
+            self.states.pop(rid, None)
+        self.states.update(saved)
+        return _concat([self._handle_one(msg, i) for i in range(len(msg.rids))])
+
+    def _handle_one(self, msg: BatchTokenIDOutput, i: int) -> BatchStrOutput:
+        """Entry ``i`` of ``msg`` decoded alone; on failure its rid is finished with an error."""
+        one = _select(msg, i)
+        try:
+            return self._handle_batch(one)
+        except Exception as e:
+            rid = msg.rids[i]
+            logger.exception("Decoding the output of %s failed; finishing it", rid)
+            self.states.pop(rid, None)
+            self.failed_rids.add(rid)
+            out = self._passthrough(one, [""])
+            out.finished_reasons = [
+                {"type": "abort", "message": f"detokenization failed: {type(e).__name__}: {e}"}
+            ]
+            return out
+
+    def _handle_batch(self, msg: BatchTokenIDOutput) -> BatchStrOutput:
+        msg = self._drop_failed(msg)
         if self.tokenizer is None:
             output_strs = [""] * len(msg.rids)
         else:
             output_strs = self._decode_batch(msg)
+        return self._passthrough(msg, output_strs)
+
+    @staticmethod
+    def _passthrough(msg: BatchTokenIDOutput, output_strs: list[str]) -> BatchStrOutput:
         extra = {name: getattr(msg, name) for name in _PASSTHROUGH_FIELDS}
         return BatchStrOutput(
             rids=list(msg.rids),
@@ -102,8 +145,22 @@ class DetokenizerManager:
             **extra,
         )
 
+    def _drop_failed(self, msg: BatchTokenIDOutput) -> BatchTokenIDOutput:
+        """``msg`` without the entries of failed rids (a final entry ends the rid's failure)."""
+        if not self.failed_rids or not self.failed_rids.intersection(msg.rids):
+            return msg
+        keep = []
+        for i, rid in enumerate(msg.rids):
+            if rid not in self.failed_rids:
+                keep.append(i)
+            elif msg.finished_reasons[i] is not None:
+                self.failed_rids.discard(rid)
+        return _concat_tokens([_select(msg, i) for i in keep], msg)
+
     def _decode_batch(self, msg: BatchTokenIDOutput) -> list[str]:
         """Advance every rid's decode state; returns the text each may emit now."""
+        tokenizer = self.tokenizer
+        assert tokenizer is not None  # the caller passes ids through without one
         states = []
         for i, rid in enumerate(msg.rids):
             state = self.states.setdefault(rid, DecodeState())
@@ -118,7 +175,7 @@ class DetokenizerManager:
         for (skip, spaces), members in groups.items():
             windows = [states[i].ids[states[i].surr_offset:states[i].read_offset] for i in members]
             fulls = [states[i].ids[states[i].surr_offset:] for i in members]
-            texts = self.tokenizer.batch_decode(
+            texts = tokenizer.batch_decode(
                 windows + fulls,
                 skip_special_tokens=skip,
                 spaces_between_special_tokens=spaces,
@@ -151,8 +208,44 @@ class DetokenizerManager:
             ]
         )
         while True:
-            msg = loads(recv_socket.recv())
-            send_socket.send(dumps(dispatcher(msg)))
+            try:
+                out = dispatcher(loads(recv_socket.recv()))
+            except Exception:  # a malformed message: nothing to send for it, keep serving
+                logger.exception("Dropped a message the detokenizer cannot handle")
+                continue
+            if out.rids:
+                send_socket.send(dumps(out))
+
+
+def _select(msg: Any, i: int) -> Any:
+    """A copy of a batch message (token ids or strings) with only entry ``i``."""
+    values = {}
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        values[f.name] = [value[i]] if isinstance(value, list) else value
+    return type(msg)(**values)
+
+
+def _concat(parts: list[Any]) -> Any:
+    """One message from messages selected (:func:`_select`) from the same message: their
+    per-rid lists are joined, the other fields (None lists, the version label) shared."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(parts[0]):
+        first = getattr(parts[0], f.name)
+        if isinstance(first, list):
+            values[f.name] = [x for p in parts for x in getattr(p, f.name)]
+        else:
+            values[f.name] = first
+    return type(parts[0])(**values)
+
+
+def _concat_tokens(parts: list[BatchTokenIDOutput], template: BatchTokenIDOutput) -> Any:
+    """``parts`` as one message; with none, ``template`` with every per-rid list empty."""
+    if parts:
+        return _concat(parts)
+    empty: dict[str, Any] = {f.name: [] for f in dataclasses.fields(template)
+                             if isinstance(getattr(template, f.name), list)}
+    return dataclasses.replace(template, **empty)
 
 
 def _ids_for_text(
@@ -244,7 +337,8 @@ def run_detokenizer_process(
         )
         tokenizer = None
         if not server_args.skip_tokenizer_init:
-            tokenizer = get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
+            tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path,
+                                      server_args.trust_remote_code)
     except Exception as e:  # reported to the launcher verbatim, like the scheduler's
         logger.exception("Detokenizer failed to start")
         pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})

@@ -25,6 +25,8 @@ import zmq
 import zmq.asyncio
 
 from sglang.srt.hf_transformers_utils import get_tokenizer
+from sglang.srt.managers.control_validation import check_control_request
+from sglang.srt.managers.field_checks import InvalidRequestError
 from sglang.srt.managers.io_struct import (
     AbortReq,
     AbortReqOutput,
@@ -58,7 +60,12 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightVersionReqOutput,
 )
 from sglang.srt.managers.memory_occupation import resolve_tags
-from sglang.srt.managers.request_validation import RequestLimits, validate_request
+from sglang.srt.managers.request_validation import (
+    RequestLimits,
+    check_generate_input,
+    tokenize_texts,
+    validate_request,
+)
 from sglang.srt.managers.tokenizer_req_state import ReqState
 from sglang.srt.managers.weights_update_group import WeightsUpdateGroups
 from sglang.srt.server_args import PortArgs, ServerArgs
@@ -101,12 +108,7 @@ class TokenizerManager:
         self.context_len: int = scheduler_info["context_length"]
         self.vocab_size: int = scheduler_info["vocab_size"]
         self.max_req_input_len: int = scheduler_info["max_req_input_len"]
-        self.limits = RequestLimits(
-            vocab_size=self.vocab_size,
-            context_len=self.context_len,
-            max_req_input_len=self.max_req_input_len,
-            entropy_with_logprobs=server_args.enable_entropy_with_logprobs,
-        )
+        self.limits = RequestLimits.from_server_args(server_args, scheduler_info)
         self.tokenizer = (
             None
             if server_args.skip_tokenizer_init
@@ -202,8 +204,10 @@ class TokenizerManager:
         self.start()
         if self.server_args.paused_admission == "reject" and self.is_paused:
             raise EnginePausedError("Generation is paused; retry after continue_generation")
+        check_generate_input(obj, self.limits)
         obj.normalize_batch_and_arguments()
-        reqs, parents = self._tokenize_and_validate(obj)
+        text_ids = await tokenize_texts(self.tokenizer, obj)
+        reqs, parents = self._tokenize_and_validate(obj, text_ids)
         is_list = not obj.is_single or len(reqs) > 1
         notify = asyncio.Event()
         decode_texts = self._text_decoder(obj.return_text_in_logprobs)
@@ -222,9 +226,10 @@ class TokenizerManager:
             self._release(states)
 
     def _tokenize_and_validate(
-        self, obj: GenerateReqInput
+        self, obj: GenerateReqInput, text_ids: list[list[int]] | None = None
     ) -> tuple[list[TokenizedGenerateReqInput], list[str | None]]:
-        """Tokenized requests (``n`` copies expanded) and the parent rid of each copy."""
+        """Tokenized requests (``n`` copies expanded) and the parent rid of each copy.
+        ``text_ids``: the token ids of the texts when already tokenized."""
         singles = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
         if obj.text is not None:
             if self.tokenizer is None:
@@ -232,7 +237,7 @@ class TokenizerManager:
                     "text input needs a tokenizer; with skip_tokenizer_init pass input_ids"
                 )
             texts = [s.text for s in singles]
-            all_ids = self.tokenizer(texts)["input_ids"] if texts else []
+            all_ids = text_ids if text_ids is not None else self.tokenizer(texts)["input_ids"]
         else:
             all_ids = [s.input_ids for s in singles]
         reqs: list[TokenizedGenerateReqInput] = []
@@ -404,6 +409,10 @@ class TokenizerManager:
     ) -> UpdateWeightFromDiskReqOutput:
         """Load the checkpoint at ``obj.model_path`` into the running model (validated first;
         a refusal changes nothing). On success the reported model path follows it."""
+        try:
+            check_control_request(obj)
+        except InvalidRequestError as e:  # refused like the scheduler refuses: success False
+            return UpdateWeightFromDiskReqOutput(False, f"Update refused: {e}", req_id=obj.req_id)
         out = await self._control(obj)
         if out.success:
             self.model_path = obj.model_path
@@ -414,14 +423,18 @@ class TokenizerManager:
     ) -> UpdateWeightsFromTensorReqOutput:
         """Send ``obj.named_tensors`` (pickled) to the scheduler and copy them into the model.
         Upstream's ``serialized_named_tensors`` payload is decoded here first; one that does not
-        decode to (name, tensor) pairs is refused (``success=False``) without reaching the
-        scheduler. The reply unpacks as upstream's ``(success, message)``."""
+        decode to (name, tensor) pairs, or an invalid request, is refused (``success=False``)
+        without reaching the scheduler. The reply unpacks as upstream's ``(success, message)``."""
         if obj.serialized_named_tensors is not None:
             try:
                 named = decode_named_tensors(obj.serialized_named_tensors)
             except ValueError as e:
                 return UpdateWeightsFromTensorReqOutput(False, str(e), req_id=obj.req_id)
             obj = dataclasses.replace(obj, named_tensors=named, serialized_named_tensors=None)
+        try:
+            check_control_request(obj)
+        except InvalidRequestError as e:  # refused like the scheduler refuses: success False
+            return UpdateWeightsFromTensorReqOutput(False, str(e), req_id=obj.req_id)
         return await self._control(obj)
 
     async def init_weights_update_group(
@@ -488,8 +501,10 @@ class TokenizerManager:
         return out
 
     async def _control(self, req: Any) -> Any:
-        """Send a control request and await the reply carrying the same ``req_id``. Awaited
+        """Send a control request and await the reply carrying the same ``req_id``; an
+        invalid one raises InvalidRequestError (a ValueError) before anything is sent. Awaited
         from a loop other than the owning one, it runs on the owning loop and returns there."""
+        check_control_request(req)
         self._check_alive()
         if self._loop is not None and not self._on_own_loop():
             if not self._loop.is_running():
@@ -520,8 +535,13 @@ class TokenizerManager:
             state = self.rid_to_state.get(rid)
             if state is None or state.finished:
                 continue
-            state.apply(msg, i)
-            if state.finished:
+            try:
+                state.apply(msg, i)
+            except Exception as e:  # one bad increment fails its own request only
+                logger.exception("Failed to apply the output of %s", rid)
+                state.error = f"failed to assemble the output: {e!r}"
+                self.abort_request(rid)
+            if state.finished or state.error is not None:
                 del self.rid_to_state[rid]
             state.notify.set()
 

@@ -4,7 +4,9 @@ Request models accept OpenAI's fields plus SGLang's extra sampling fields (``top
 ``min_p``, ``ignore_eos``, ...) in the same body. Response models serialize to exactly the
 shapes the official ``openai`` Python client parses; fields that are None are kept (the client
 expects e.g. ``"logprobs": null`` and ``"finish_reason": null`` in stream chunks).
-Unknown request fields are ignored, as OpenAI-compatible servers commonly do.
+Unknown request fields are ignored, as OpenAI-compatible servers commonly do. Request models
+are strict (docs/security.md): a boolean is not a number, a string is not a boolean, numbers
+are finite; the values are then checked like native requests by the TokenizerManager.
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ def now() -> int:
 # ---------------------------------------------------------------------------------------------
 # Shared pieces
 # ---------------------------------------------------------------------------------------------
+# The configuration of every request model: strict types, finite numbers.
+_STRICT = ConfigDict(strict=True, allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -55,7 +63,7 @@ class ErrorResponse(BaseModel):
 class SamplingExtras(BaseModel):
     """SGLang's sampling fields accepted next to OpenAI's in a request body."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     top_k: int = -1
     min_p: float = 0.0
@@ -183,7 +191,7 @@ class CompletionStreamResponse(BaseModel):
 class ChatContentPart(BaseModel):
     """One part of a multi-part message content; only text parts are supported."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     type: str
     text: str | None = None
@@ -192,7 +200,7 @@ class ChatContentPart(BaseModel):
 class ChatMessage(BaseModel):
     """One message of the conversation. Extra keys (name, tool_calls, ...) go to the template."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[ChatContentPart] | None = None
@@ -226,6 +234,16 @@ class ChatCompletionRequest(SamplingExtras):
     # a named function is refused.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+
+    def content_chars(self) -> int:
+        """Characters of text in the messages (what the chat template renders)."""
+        total = 0
+        for message in self.messages:
+            parts = message.content if isinstance(message.content, list) else [message]
+            for part in parts:
+                text = part.text if isinstance(part, ChatContentPart) else part.content
+                total += len(text) if isinstance(text, str) else 0
+        return total
 
     def unsupported_fields(self) -> list[str]:
         names = super().unsupported_fields()

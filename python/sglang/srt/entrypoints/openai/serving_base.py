@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from sglang.srt.entrypoints.openai.protocol import UsageInfo
+from sglang.srt.managers.field_checks import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,15 @@ class OpenAIServingBase:
     @property
     def model_name(self) -> str:
         return self.tm.served_model_name
+
+    def check_num_choices(self, n: int, num_prompts: int) -> None:
+        """Refuse ``n`` < 1 and ``num_prompts * n`` over --max-request-batch-size, before the
+        request is expanded to one engine request per choice."""
+        limit = self.tm.limits.max_request_batch_size
+        if n < 1 or num_prompts * n > limit:
+            raise InvalidRequestError(
+                "n", f"must be >= 1 and at most {limit} choices in all (prompts x n, "
+                     f"--max-request-batch-size), got n={n} for {num_prompts} prompt(s)")
 
     def sampling_params(
         self, req: Any, max_new_tokens: int | None, stop: str | list[str] | None

@@ -10,6 +10,7 @@ reason "stop" becomes "tool_calls" (chat_parsing.py).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -39,7 +40,9 @@ from sglang.srt.entrypoints.openai.serving_base import (
     sse_event,
     stream_response,
 )
+from sglang.srt.managers.field_checks import InvalidRequestError
 from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang.srt.managers.request_validation import TOKENIZE_INLINE_MAX_CHARS
 
 _MAX_TOP_LOGPROBS = 20
 
@@ -65,7 +68,8 @@ class OpenAIServingChat(OpenAIServingBase):
 
     async def handle(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         _check_request(req)
-        input_ids = self.render_prompt(req)
+        self.check_num_choices(req.n, 1)
+        input_ids = await self._render_off_loop(req)
         obj = self._to_generate(req, input_ids)
         tracker = self.metrics.new_request(stream=req.stream)
         outputs = self.generate(obj, raw_request)
@@ -75,6 +79,19 @@ class OpenAIServingChat(OpenAIServingBase):
             return self._stream(req, first, outputs, tracker, response_id)
         tracker.observe(first)
         return json_response(self._response(req, first, response_id))
+
+    async def _render_off_loop(self, req: ChatCompletionRequest) -> list[int]:
+        """:meth:`render_prompt`, in a worker thread when the messages are long (the event
+        loop keeps serving); InvalidRequestError when they are over --max-prompt-bytes."""
+        num_chars = req.content_chars()
+        max_bytes = self.tm.limits.max_prompt_bytes
+        if num_chars > max_bytes:
+            raise InvalidRequestError(
+                "messages", f"the messages have more than {max_bytes} characters "
+                            "(--max-prompt-bytes)")
+        if num_chars <= TOKENIZE_INLINE_MAX_CHARS:
+            return self.render_prompt(req)
+        return await asyncio.to_thread(self.render_prompt, req)
 
     def render_prompt(self, req: ChatCompletionRequest) -> list[int]:
         """Token ids of the conversation rendered by the chat template.

@@ -41,6 +41,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
     async def handle(self, req: CompletionRequest, raw_request: Request) -> Response:
         prompts = _prompt_list(req.prompt)
         _check_request(req)
+        self.check_num_choices(req.n, len(prompts))
         obj = self._to_generate(req, prompts)
         tracker = self.metrics.new_request(stream=req.stream)
         outputs = self.generate(obj, raw_request)

@@ -1,0 +1,124 @@
+"""Strict checks of a request's ``sampling_params`` dict, before anything is tokenized.
+
+Every known key has one rule (type and range); an unknown key is refused by name. ``None`` means
+"the default" for every key (OpenAI clients send explicit nulls). The ranges are SGLang's; on
+top of them numbers must be finite and integers must fit where they go (int64 tensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sglang.srt.managers.field_checks import (
+    InvalidRequestError,
+    check_bool,
+    check_int,
+    check_list,
+    check_number,
+    check_str,
+    describe,
+)
+
+# An integer that goes into an int64 tensor stays below this in absolute value.
+INT64_LIMIT = 2**63 - 1
+# Largest temperature accepted (larger ones already give a uniform distribution).
+MAX_TEMPERATURE = 1e6
+
+
+def _number(lo: float, hi: float) -> Callable[[str, Any], None]:
+    return lambda param, value: check_number(param, value, lo, hi)
+
+
+def _int(lo: int, hi: int) -> Callable[[str, Any], None]:
+    return lambda param, value: check_int(param, value, lo, hi)
+
+
+def _check_repetition_penalty(param: str, value: Any) -> None:
+    check_number(param, value, 0.0, 2.0)
+    if value == 0:
+        raise InvalidRequestError(param, "must be in (0, 2], got 0")
+
+
+def _check_top_p(param: str, value: Any) -> None:
+    check_number(param, value, 0.0, 1.0)
+    if value == 0:
+        raise InvalidRequestError(param, "must be in (0, 1], got 0")
+
+
+def _check_top_k(param: str, value: Any) -> None:
+    check_int(param, value, -1, INT64_LIMIT)
+    if value == 0:
+        raise InvalidRequestError(param, "must be -1 (disabled) or >= 1, got 0")
+
+
+# Rules that need no limit of the server.
+_RULES: dict[str, Callable[[str, Any], None]] = {
+    "max_new_tokens": _int(1, INT64_LIMIT),
+    "min_new_tokens": _int(0, INT64_LIMIT),
+    "temperature": _number(0.0, MAX_TEMPERATURE),
+    "top_p": _check_top_p,
+    "top_k": _check_top_k,
+    "min_p": _number(0.0, 1.0),
+    "frequency_penalty": _number(-2.0, 2.0),
+    "presence_penalty": _number(-2.0, 2.0),
+    "repetition_penalty": _check_repetition_penalty,
+    "ignore_eos": check_bool,
+    "skip_special_tokens": check_bool,
+    "spaces_between_special_tokens": check_bool,
+    "no_stop_trim": check_bool,
+    "sampling_seed": _int(-INT64_LIMIT, INT64_LIMIT),
+}
+# Keys whose rule depends on the server's limits (checked below).
+_LIMITED_KEYS = frozenset({"n", "stop", "stop_token_ids"})
+KNOWN_KEYS = frozenset(_RULES) | _LIMITED_KEYS
+
+
+def check_sampling_params(
+    params: Any,
+    param: str,
+    vocab_size: int,
+    max_n: int,
+    max_stop_strings: int,
+    max_stop_str_len: int,
+) -> int:
+    """Check one ``sampling_params`` dict (``param`` is its name in messages); returns its
+    ``n`` (1 by default). ``max_n`` bounds ``n``; the stop limits bound ``stop``."""
+    if not isinstance(params, dict):
+        raise InvalidRequestError(param, f"must be a JSON object (a dict), got {describe(params)}")
+    unknown = sorted(str(k) for k in params if k not in KNOWN_KEYS)
+    if unknown:
+        raise InvalidRequestError(param, f"unknown sampling parameter(s): {', '.join(unknown)}")
+    for key, value in params.items():
+        if value is not None and key in _RULES:
+            _RULES[key](f"{param}.{key}", value)
+    min_new, max_new = params.get("min_new_tokens"), params.get("max_new_tokens")
+    if min_new is not None and max_new is not None and min_new > max_new:
+        raise InvalidRequestError(f"{param}.min_new_tokens", f"must be <= max_new_tokens "
+                                                            f"({max_new}), got {min_new}")
+    if params.get("stop") is not None:
+        _check_stop(f"{param}.stop", params["stop"], max_stop_strings, max_stop_str_len)
+    if params.get("stop_token_ids") is not None:
+        ids = params["stop_token_ids"]
+        check_list(f"{param}.stop_token_ids", ids, vocab_size)
+        for i, token_id in enumerate(ids):
+            check_int(f"{param}.stop_token_ids[{i}]", token_id, 0, vocab_size - 1)
+    n = params.get("n")
+    if n is None:
+        return 1
+    check_int(f"{param}.n", n, 1, max_n)
+    return n
+
+
+def _check_stop(param: str, stop: Any, max_strings: int, max_len: int) -> None:
+    """``stop`` is a string or a list of at most ``max_strings`` strings of at most
+    ``max_len`` characters each."""
+    if isinstance(stop, str):
+        check_str(param, stop, max_len)
+        return
+    if not isinstance(stop, list):
+        raise InvalidRequestError(param, f"must be a string or a list of strings, got "
+                                         f"{describe(stop)}")
+    check_list(param, stop, max_strings)
+    for i, item in enumerate(stop):
+        check_str(f"{param}[{i}]", item, max_len)

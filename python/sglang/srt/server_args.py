@@ -282,12 +282,13 @@ class ServerArgs:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError("--context-length must be >= 1")
-        for flag, value, choices in (
+        parsers: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
             ("--reasoning-parser", self.reasoning_parser, _REASONING_PARSERS),
             ("--tool-call-parser", self.tool_call_parser, _TOOL_CALL_PARSERS),
-        ):
-            if value is not None and value not in choices:
-                raise ValueError(f"{flag} must be one of {choices}, got {value!r}")
+        )
+        for flag, parser_name, choices in parsers:
+            if parser_name is not None and parser_name not in choices:
+                raise ValueError(f"{flag} must be one of {choices}, got {parser_name!r}")
         for name in ("max_request_batch_size", "max_prompt_bytes", "max_top_logprobs_num",
                      "max_stop_strings", "max_stop_str_len"):
             if getattr(self, name) < 1:

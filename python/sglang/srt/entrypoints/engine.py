@@ -29,6 +29,7 @@ import weakref
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from multiprocessing import connection as mp_connection
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from sglang.srt.entrypoints import engine_weights
@@ -41,7 +42,9 @@ from sglang.srt.managers.io_struct import (
     GenerateReqInput,
     PauseGenerationReqInput,
     ReleaseMemoryOccupationReqInput,
+    ReleaseMemoryOccupationReqOutput,
     ResumeMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqOutput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightVersionReqInput,
 )
@@ -64,6 +67,7 @@ async def _memory_call(
 ) -> dict[str, Any]:
     """Release (or resume) memory through ``manager``; the reply as a dict. ValueError for bad
     tags (before anything is sent), RuntimeError when the scheduler refuses."""
+    out: ReleaseMemoryOccupationReqOutput | ResumeMemoryOccupationReqOutput
     if release:
         out = await manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags))
     else:
@@ -88,7 +92,7 @@ def _run_scheduler_child(
 
 def launch_engine_processes(
     server_args: ServerArgs,
-) -> tuple[TokenizerManager, dict, list[mp.Process]]:
+) -> tuple[TokenizerManager, dict, list[BaseProcess]]:
     """Start the scheduler and detokenizer processes and build the TokenizerManager.
 
     Returns the manager (not started: call its ``start()`` inside the loop that will own it),
@@ -102,8 +106,8 @@ def launch_engine_processes(
         ("scheduler", _run_scheduler_child),
         ("detokenizer", run_detokenizer_process),
     )
-    procs: list[mp.Process] = []
-    readers: dict[Connection, mp.Process] = {}
+    procs: list[BaseProcess] = []
+    readers: dict[Connection, BaseProcess] = {}
     try:
         for name, target in children:
             reader, writer = ctx.Pipe(duplex=False)
@@ -128,7 +132,7 @@ def launch_engine_processes(
     return tokenizer_manager, scheduler_info, procs
 
 
-def _wait_for_ready(readers: dict[Connection, mp.Process]) -> dict[mp.Process, dict]:
+def _wait_for_ready(readers: dict[Connection, BaseProcess]) -> dict[BaseProcess, dict]:
     """Each child's ready message (without its "status"), keyed by process.
 
     Raises RuntimeError with the first error a child reports, or naming the child that exited
@@ -136,12 +140,13 @@ def _wait_for_ready(readers: dict[Connection, mp.Process]) -> dict[mp.Process, d
     failing child's own message whichever process happens to exit first.
     """
     pending = dict(readers)
-    ready: dict[mp.Process, dict] = {}
+    ready: dict[BaseProcess, dict] = {}
     while pending:
-        for reader in mp_connection.wait(list(pending), timeout=_READY_POLL_S):
-            proc = pending.pop(reader)
+        for ready_reader in mp_connection.wait(list(pending), timeout=_READY_POLL_S):
+            assert isinstance(ready_reader, Connection), "we wait on pipe connections only"
+            proc = pending.pop(ready_reader)
             try:
-                msg = reader.recv()
+                msg: dict[str, Any] = ready_reader.recv()
             except EOFError:
                 proc.join(_SHUTDOWN_STEP_TIMEOUT_S)
                 raise RuntimeError(
@@ -153,7 +158,7 @@ def _wait_for_ready(readers: dict[Connection, mp.Process]) -> dict[mp.Process, d
     return ready
 
 
-def _kill_processes(procs: list[mp.Process]) -> None:
+def _kill_processes(procs: list[BaseProcess]) -> None:
     """Kill each process with its descendants and reap it."""
     for proc in procs:
         if proc.pid is not None:
@@ -218,7 +223,7 @@ class Engine:
         self.server_args = server_args_from_kwargs(kwargs)
         # From here on shutdown() has something to undo.
         self._closed = False
-        self._procs: list[mp.Process] = []
+        self._procs: list[BaseProcess] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.tokenizer_manager: TokenizerManager | None = None
@@ -239,7 +244,7 @@ class Engine:
         self.tokenizer = tm.tokenizer
 
     async def _start_manager(self) -> None:
-        self.tokenizer_manager.start()
+        self._manager().start()
 
     # ---- generation --------------------------------------------------------------------------
     def generate(
@@ -523,9 +528,14 @@ class Engine:
 
     # ---- helpers -----------------------------------------------------------------------------
     def _manager(self) -> TokenizerManager:
-        if self._closed:
+        if self._closed or self.tokenizer_manager is None:
             raise RuntimeError("The engine is shut down")
         return self.tokenizer_manager
+
+    def _private_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("The engine is shut down")
+        return self._loop
 
     def _run(self, coro: Coroutine) -> Any:
         """Run ``coro`` on the private loop and block this thread until it is done."""
@@ -535,14 +545,15 @@ class Engine:
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("Sync Engine methods cannot be called from the engine's loop")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return asyncio.run_coroutine_threadsafe(coro, self._private_loop()).result()
 
     async def _bridge(self, coro: Coroutine) -> Any:
         """Await ``coro`` (run on the private loop) from the caller's loop."""
         if self._closed:
             coro.close()
             raise RuntimeError("The engine is shut down")
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+        future = asyncio.run_coroutine_threadsafe(coro, self._private_loop())
+        return await asyncio.wrap_future(future)
 
 
 async def _pause(

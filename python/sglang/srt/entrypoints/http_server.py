@@ -106,9 +106,9 @@ class GenerateRequest(BaseModel):
             raise ValueError(f"not supported by this server: {', '.join(unsupported)}")
         names = {f.name for f in fields(GenerateReqInput)}
         obj = GenerateReqInput(**{k: v for k, v in self.model_dump().items() if k in names})
-        prompts = [obj.text if obj.text is not None else obj.input_ids] if obj.is_single else (
-            obj.text if obj.text is not None else obj.input_ids)
-        if not prompts or any(len(p) == 0 for p in prompts):
+        given = obj.text if obj.text is not None else obj.input_ids
+        prompts: list[Any] = [given] if obj.is_single else list(given or [])
+        if not prompts or any(not p for p in prompts):
             raise ValueError("prompt is empty: give a non-empty 'text' or 'input_ids'")
         return obj
 
@@ -487,7 +487,8 @@ def launch_server(server_args: ServerArgs) -> None:
         server.run()
     finally:
         for proc in processes:
-            kill_process_tree(proc.pid)
+            if proc.pid is not None:
+                kill_process_tree(proc.pid)
         remove_ipc_dir(tokenizer_manager.port_args)
     if app.state.failed:
         raise SystemExit(1)

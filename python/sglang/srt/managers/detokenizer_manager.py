@@ -213,7 +213,7 @@ class DetokenizerManager:
             except Exception:  # a malformed message: nothing to send for it, keep serving
                 logger.exception("Dropped a message the detokenizer cannot handle")
                 continue
-            if out.rids:
+            if not isinstance(out, BatchStrOutput) or out.rids:  # a batch may end up empty
                 send_socket.send(dumps(out))
 
 

@@ -16,7 +16,7 @@ import copy
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -78,13 +78,15 @@ class GenerateReqInput:
     def is_single(self) -> bool:
         if self.text is not None:
             return isinstance(self.text, str)
-        return len(self.input_ids) == 0 or not isinstance(self.input_ids[0], list)
+        ids = self.input_ids or []
+        return len(ids) == 0 or not isinstance(ids[0], list)
 
     @property
     def batch_size(self) -> int:
         if self.is_single:
             return 1
-        return len(self.text if self.text is not None else self.input_ids)
+        prompts = self.text if self.text is not None else self.input_ids
+        return len(prompts or [])
 
     def normalize_batch_and_arguments(self) -> None:
         """Fill defaults and check that every per-request list has one entry per prompt."""
@@ -126,22 +128,32 @@ class GenerateReqInput:
             raise ValueError("each entry of 'sampling_params' must be a JSON object (a dict)")
 
     def __getitem__(self, i: int) -> GenerateReqInput:
-        """The i-th request of a normalized batch, as a single request."""
+        """The i-th request of a normalized batch (every per-request field is a list), as a
+        single request."""
         return GenerateReqInput(
-            text=self.text[i] if self.text is not None else None,
-            input_ids=self.input_ids[i] if self.input_ids is not None else None,
-            sampling_params=self.sampling_params[i],
-            rid=self.rid[i],
-            return_logprob=self.return_logprob[i],
-            logprob_start_len=self.logprob_start_len[i],
-            top_logprobs_num=self.top_logprobs_num[i],
+            text=_entry(self.text, i),
+            input_ids=_entry(self.input_ids, i),
+            sampling_params=_entry(self.sampling_params, i),
+            rid=_entry(self.rid, i),
+            return_logprob=_entry(self.return_logprob, i),
+            logprob_start_len=_entry(self.logprob_start_len, i),
+            top_logprobs_num=_entry(self.top_logprobs_num, i),
             return_text_in_logprobs=self.return_text_in_logprobs,
             stream=self.stream,
-            return_entropy=self.return_entropy[i],
-            entropy_mode=self.entropy_mode[i],
-            entropy_top_k=self.entropy_top_k[i],
+            return_entropy=_entry(self.return_entropy, i),
+            entropy_mode=_entry(self.entropy_mode, i),
+            entropy_top_k=_entry(self.entropy_top_k, i),
             log_metrics=self.log_metrics,
         )
+
+
+def _entry(values: object, i: int) -> Any:
+    """Entry ``i`` of a per-prompt list of a normalized batch (None stays None)."""
+    if values is None:
+        return None
+    if not isinstance(values, list):
+        raise TypeError(f"a normalized batch field is a list, got {type(values).__name__}")
+    return values[i]
 
 
 @dataclass
@@ -289,7 +301,9 @@ class PauseGenerationReqInput:
     expires, so a crashed trainer never leaves it paused.
     """
 
-    mode: Literal["abort", "retract", "in_place", "keep", "wait"] = "abort"
+    # One of PAUSE_MODES, or an accepted alias ("in-place"); the scheduler resolves it and
+    # refuses an unknown one with the state unchanged.
+    mode: str = "abort"
     clear_cache: bool = False
     timeout_s: float | None = None
     req_id: str = field(default_factory=_new_id)

@@ -68,6 +68,13 @@ class RequestLimits:
         )
 
 
+def _one(value: Any, name: str, kind: type | tuple[type, ...]) -> Any:
+    """A single request's ``name`` (normalized: not a per-prompt list), checked to be ``kind``."""
+    if not isinstance(value, kind):
+        raise ValueError(f"{name}: expected one value for a single prompt, got {value!r}")
+    return value
+
+
 def validate_request(
     obj: GenerateReqInput, input_ids: list[int], limits: RequestLimits
 ) -> TokenizedGenerateReqInput:
@@ -94,7 +101,7 @@ def validate_request(
             f"The input ({prompt_len} tokens) is longer than the maximum request input "
             f"length ({limits.max_req_input_len} tokens)"
         )
-    raw_params = dict(obj.sampling_params or {})
+    raw_params = dict(_one(obj.sampling_params or {}, "sampling_params", dict))
     # None means "default" for every knob (OpenAI clients send explicit nulls), except that
     # max_new_tokens=None means: up to the context length.
     params = {k: v for k, v in raw_params.items() if v is not None}
@@ -119,24 +126,26 @@ def validate_request(
     if sampling_params.max_new_tokens > room:
         sampling_params.max_new_tokens = room
         sampling_params.min_new_tokens = min(sampling_params.min_new_tokens, room)
+    start_len = _one(obj.logprob_start_len, "logprob_start_len", int)
+    top_num = _one(obj.top_logprobs_num, "top_logprobs_num", int)
     if obj.return_logprob:
-        _check_logprob_args(
-            obj.logprob_start_len, obj.top_logprobs_num, prompt_len, limits.vocab_size
-        )
-    _check_entropy_args(obj.entropy_mode, obj.entropy_top_k)
+        _check_logprob_args(start_len, top_num, prompt_len, limits.vocab_size)
+    entropy_mode = _one(obj.entropy_mode, "entropy_mode", (str, type(None)))
+    entropy_top_k = _one(obj.entropy_top_k, "entropy_top_k", (int, type(None)))
+    _check_entropy_args(entropy_mode, entropy_top_k)
     return TokenizedGenerateReqInput(
-        rid=obj.rid,
-        input_text=obj.text,
+        rid=_one(obj.rid, "rid", str),
+        input_text=_one(obj.text, "text", (str, type(None))),
         input_ids=input_ids,
         sampling_params=sampling_params,
         return_logprob=bool(obj.return_logprob),
-        logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
-        top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
+        logprob_start_len=start_len if obj.return_logprob else -1,
+        top_logprobs_num=top_num if obj.return_logprob else 0,
         stream=obj.stream,
         return_entropy=bool(obj.return_entropy)
         or (limits.entropy_with_logprobs and bool(obj.return_logprob)),
-        entropy_mode=obj.entropy_mode,
-        entropy_top_k=obj.entropy_top_k,
+        entropy_mode=entropy_mode,
+        entropy_top_k=entropy_top_k,
     )
 
 

@@ -19,6 +19,7 @@ from sglang.srt.managers.field_checks import (
     check_str,
     describe,
 )
+from sglang.srt.sampling.stop_regex import compile_stop_regexes
 
 # An integer that goes into an int64 tensor stays below this in absolute value.
 INT64_LIMIT = 2**63 - 1
@@ -70,7 +71,7 @@ _RULES: dict[str, Callable[[str, Any], None]] = {
     "sampling_seed": _int(-INT64_LIMIT, INT64_LIMIT),
 }
 # Keys whose rule depends on the server's limits (checked below).
-_LIMITED_KEYS = frozenset({"n", "stop", "stop_token_ids"})
+_LIMITED_KEYS = frozenset({"n", "stop", "stop_regex", "stop_token_ids"})
 KNOWN_KEYS = frozenset(_RULES) | _LIMITED_KEYS
 
 
@@ -98,6 +99,13 @@ def check_sampling_params(
                                                             f"({max_new}), got {min_new}")
     if params.get("stop") is not None:
         _check_stop(f"{param}.stop", params["stop"], max_stop_strings, max_stop_str_len)
+    if params.get("stop_regex") is not None:
+        name = f"{param}.stop_regex"
+        _check_stop(name, params["stop_regex"], max_stop_strings, max_stop_str_len)
+        try:
+            compile_stop_regexes(params["stop_regex"])
+        except ValueError as e:
+            raise InvalidRequestError(name, str(e)) from None
     if params.get("stop_token_ids") is not None:
         ids = params["stop_token_ids"]
         check_list(f"{param}.stop_token_ids", ids, vocab_size)

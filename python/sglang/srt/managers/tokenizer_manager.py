@@ -69,8 +69,9 @@ from sglang.srt.managers.request_validation import (
 from sglang.srt.managers.tokenizer_req_state import ReqState
 from sglang.srt.managers.weights_update_group import WeightsUpdateGroups
 from sglang.srt.server_args import PortArgs, ServerArgs
-from sglang.srt.utils import TypeBasedDispatcher, dumps, get_zmq_socket, loads
+from sglang.srt.utils import TypeBasedDispatcher, dumps, loads
 from sglang.srt.utils.multiprocessing_serializer import decode_named_tensors
+from sglang.srt.utils.network import get_async_zmq_socket
 
 if TYPE_CHECKING:
     import fastapi
@@ -163,10 +164,10 @@ class TokenizerManager:
             return
         self._loop = loop
         self._context = zmq.asyncio.Context(2)
-        self._send_socket = get_zmq_socket(
+        self._send_socket = get_async_zmq_socket(
             self._context, zmq.PUSH, self.port_args.scheduler_input_ipc_name, bind=False
         )
-        self._recv_socket = get_zmq_socket(
+        self._recv_socket = get_async_zmq_socket(
             self._context, zmq.PULL, self.port_args.tokenizer_ipc_name, bind=True
         )
         self._tasks = [loop.create_task(self._recv_loop()), loop.create_task(self._watch_loop())]
@@ -183,8 +184,9 @@ class TokenizerManager:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         if self._context is not None:
-            self._send_socket.close(linger=0)
-            self._recv_socket.close(linger=0)
+            for sock in (self._send_socket, self._recv_socket):
+                if sock is not None:
+                    sock.close(linger=0)
             self._context.term()
             self._context = None
 
@@ -512,7 +514,7 @@ class TokenizerManager:
             bridged = asyncio.run_coroutine_threadsafe(self._control(req), self._loop)
             return await asyncio.wrap_future(bridged)
         self.start()
-        future = self._loop.create_future()
+        future = self._own_loop().create_future()
         self._pending_controls[req.req_id] = future
         self._send(req)
         try:
@@ -522,8 +524,10 @@ class TokenizerManager:
 
     # ---- receiving ---------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
+        sock = self._recv_socket
+        assert sock is not None, "started before receiving"
         while True:
-            data = await self._recv_socket.recv()
+            data = await sock.recv()
             try:
                 self._dispatcher(loads(data))
             except Exception:
@@ -554,7 +558,7 @@ class TokenizerManager:
         self._handle_control_output(msg)
         targets = self._abort_targets.pop(msg.req_id, [])
         if msg.num_aborted == 0 and targets:
-            self._loop.call_later(_ABORT_GRACE_S, self._finish_aborted_locally, targets)
+            self._own_loop().call_later(_ABORT_GRACE_S, self._finish_aborted_locally, targets)
 
     def _finish_aborted_locally(self, states: list[ReqState]) -> None:
         """Safety net: end requests the scheduler did not know, so their callers return."""
@@ -615,7 +619,15 @@ class TokenizerManager:
 
     def _send(self, obj: Any) -> None:
         """Queue ``obj`` for the scheduler (zmq keeps the order of sends)."""
+        if self._send_socket is None:
+            raise RuntimeError("the TokenizerManager is not started")
         self._send_socket.send(dumps(obj))
+
+    def _own_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop that owns this manager (set by :meth:`start`)."""
+        if self._loop is None:
+            raise RuntimeError("the TokenizerManager is not started")
+        return self._loop
 
     def _text_decoder(self, enabled: bool) -> Callable[[list[int]], list[str]] | None:
         """A function ids -> texts for logprob entries, or None when texts are not asked."""

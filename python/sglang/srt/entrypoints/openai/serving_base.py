@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import Any
 
 import orjson
@@ -69,7 +69,7 @@ def status_of(exc: BaseException) -> int:
 
 def stream_response(
     first: Any,
-    outputs: AsyncIterator[Any],
+    outputs: AsyncGenerator[Any, None],
     render: Callable[[Any], Iterable[bytes]],
     trailer: Callable[[], Iterable[bytes]] = lambda: (),
 ) -> StreamingResponse:
@@ -82,7 +82,7 @@ def stream_response(
     contract). The close runs as its own task: a cancelled task cannot await.
     """
 
-    async def body() -> AsyncIterator[bytes]:
+    async def body() -> AsyncGenerator[bytes, None]:
         try:
             for chunk in render(first):
                 yield chunk
@@ -100,14 +100,14 @@ def stream_response(
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
-def _close_in_background(outputs: AsyncIterator[Any]) -> None:
+def _close_in_background(outputs: AsyncGenerator[Any, None]) -> None:
     task = asyncio.get_running_loop().create_task(outputs.aclose())
     # The loop keeps only weak references to tasks: hold this one until it is done.
     _background_tasks.add(task)
     task.add_done_callback(_background_tasks.discard)
 
 
-async def first_output(outputs: AsyncIterator[Any], stream: bool) -> Any:
+async def first_output(outputs: AsyncGenerator[Any, None], stream: bool) -> Any:
     """The first output of a generation (the only one unless streaming).
 
     Errors in the request (ValueError) surface here, before any response header is sent, so
@@ -218,7 +218,7 @@ class OpenAIServingBase:
             "weight_versions": meta_info.get("weight_versions", []),
         }
 
-    def generate(self, obj: Any, raw_request: Request) -> AsyncIterator[Any]:
+    def generate(self, obj: Any, raw_request: Request) -> AsyncGenerator[Any, None]:
         return self.tm.generate_request(obj, raw_request)
 
 

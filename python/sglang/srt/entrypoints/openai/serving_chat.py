@@ -11,7 +11,7 @@ reason "stop" becomes "tool_calls" (chat_parsing.py).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
 from fastapi import Request
@@ -175,11 +175,11 @@ class OpenAIServingChat(OpenAIServingBase):
         return ChatCompletionResponse(
             id=response_id, model=self.model_name, choices=choices,
             usage=self.usage(outputs, req.n),
-            metadata={"weight_version": choices[0].metadata["weight_version"]},
+            metadata={"weight_version": outputs[0]["meta_info"].get("weight_version")},
         )
 
     def _stream(self, req: ChatCompletionRequest, first: Any,
-                outputs: AsyncIterator[Any], tracker: Any, response_id: str) -> Response:
+                outputs: AsyncGenerator[Any, None], tracker: Any, response_id: str) -> Response:
         state = StreamState(req.n)
         role_sent: set[int] = set()
         parsers = [self._output_parser(req) for _ in range(req.n)]

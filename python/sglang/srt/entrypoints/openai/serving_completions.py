@@ -7,7 +7,7 @@ prompts share one code path.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
 from fastapi import Request
@@ -129,11 +129,11 @@ class OpenAIServingCompletion(OpenAIServingBase):
         return CompletionResponse(
             id=response_id, model=self.model_name, choices=choices,
             usage=self.usage(outputs, req.n),
-            metadata={"weight_version": choices[0].metadata["weight_version"]},
+            metadata={"weight_version": outputs[0]["meta_info"].get("weight_version")},
         )
 
     def _stream(self, req: CompletionRequest, first: Any,
-                outputs: AsyncIterator[Any], tracker: Any, echoes: list[str],
+                outputs: AsyncGenerator[Any, None], tracker: Any, echoes: list[str],
                 response_id: str) -> Response:
         state = StreamState(len(echoes))
         offsets = [len(e) for e in echoes]

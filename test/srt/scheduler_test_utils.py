@@ -17,6 +17,7 @@ from sglang.srt.managers.io_struct import BatchTokenIDOutput, TokenizedGenerateR
 from sglang.srt.managers.req_kv import ReqKV
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.tp_worker import GenerationBatchResult
+from sglang.srt.managers.weight_state import WeightState
 from sglang.srt.mem_cache import create_prefix_cache
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.model_executor.model_runner import ModelRunner
@@ -92,6 +93,7 @@ class RidRecord:
     finished_reasons: list[dict[str, Any]] = field(default_factory=list)
     messages_after_final: int = 0
     num_retractions: int = 0
+    weight_version: str = ""  # the label the last message carried
 
 
 class OutputSink:
@@ -108,6 +110,7 @@ class OutputSink:
                 rec.messages_after_final += 1
             rec.output_ids += msg.decode_ids[i]
             rec.num_retractions = msg.retraction_counts[i]
+            rec.weight_version = msg.weight_version
             if msg.output_token_logprobs_val is not None:
                 rec.logprobs += msg.output_token_logprobs_val[i]
             if msg.output_token_entropy_val is not None:
@@ -137,7 +140,13 @@ def make_core(
     model_config = ModelConfig(model_dir, device="cpu")
     runner = ModelRunner(args, model_config)
     cache = create_prefix_cache(args.disable_radix_cache, runner.allocator, args.page_size)
-    kv = ReqKV(runner.req_to_token_pool, runner.allocator, cache, args.page_size)
+    kv = ReqKV(
+        runner.req_to_token_pool,
+        runner.allocator,
+        cache,
+        args.page_size,
+        WeightState(version=args.weight_version),
+    )
     worker = FakeWorker(model_config.vocab_size)
     sink = OutputSink()
     core = Scheduler(

@@ -372,3 +372,14 @@ def test_invariant_check_catches_a_leak(model_dir: str) -> None:
     core.kv.allocator.alloc_extend([0], [1], [-1])
     with pytest.raises(AssertionError, match="KV slots"):
         core.check_invariants()
+
+
+def test_start_up_weight_version_labels_tokens(model_dir: str) -> None:
+    """``--weight-version`` labels the weights loaded at start-up, until a relabel."""
+    core, _, sink = make_core(model_dir, weight_version="step-0")
+    submit(core, "a", PROMPTS["a"], 3)
+    run_until_idle(core)
+    assert sink.by_rid["a"].weight_version == "step-0"
+    assert core.internal_state()["weight_version"] == "step-0"
+    with pytest.raises(ValueError, match="weight-version"):
+        make_core(model_dir, weight_version="")

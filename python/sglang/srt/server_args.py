@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
 
 from sglang.srt import environ
+from sglang.srt.managers.io_struct import DEFAULT_WEIGHT_VERSION, MAX_VERSION_LEN
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 _ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
@@ -59,6 +60,11 @@ class ServerArgs:
         "auto",
         "Weight format: auto (by file), safetensors, gguf, or dummy (random weights).",
         choices=("auto", "safetensors", "gguf", "dummy"),
+    )
+    weight_version: str = _arg(
+        DEFAULT_WEIGHT_VERSION,
+        "Label of the weights loaded at start-up: every output token carries it (meta_info "
+        "weight_version) until an update or /update_weight_version relabels them.",
     )
     trust_remote_code: bool = _arg(
         False, "Allow custom code from the model directory when loading its config and tokenizer."
@@ -232,6 +238,11 @@ class ServerArgs:
 
     def _check(self) -> None:
         """Reject values that we accept on the command line but cannot honour."""
+        if not self.weight_version or len(self.weight_version) > MAX_VERSION_LEN:
+            raise ValueError(
+                f"--weight-version must be a non-empty label of at most {MAX_VERSION_LEN} "
+                "characters"
+            )
         if self.tp_size != 1:
             raise ValueError("--tp-size > 1 is not supported yet; run with --tp-size 1")
         if self.attention_backend not in ("torch_native", "triton"):

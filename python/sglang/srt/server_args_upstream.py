@@ -120,7 +120,6 @@ UPSTREAM_ONLY_FIELDS: dict[str, tuple[str, Any]] = {
     "export_metrics_to_file": ("bool", False),
     "export_metrics_to_file_dir": ("str", None),
     "admin_api_key": ("str", None),
-    "weight_version": ("str", 'default'),
     "hf_chat_template_name": ("str", None),
     "completion_template": ("str", None),
     "file_storage_path": ("str", 'sglang_storage'),

@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from sglang.srt.entrypoints import engine_weights
+from sglang.srt.entrypoints import engine_weights, replies
 from sglang.srt.managers.detokenizer_manager import (
     exit_when_parent_dies,
     run_detokenizer_process,
@@ -74,7 +74,7 @@ async def _memory_call(
         out = await manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags))
     if not out.success:
         raise RuntimeError(out.message)
-    return {"success": True, "message": out.message, "released_tags": out.released_tags}
+    return replies.memory_reply(out)
 
 
 def _run_scheduler_child(
@@ -318,25 +318,20 @@ class Engine:
     # ---- control -----------------------------------------------------------------------------
     def get_server_info(self) -> dict[str, Any]:
         """Server args, the scheduler's ready info, ``internal_states`` and ``version``."""
-        from sglang import __version__
-
         internal_states = self._run(self._manager().get_internal_state())
-        return {
-            **self.server_args.to_dict(),
-            **self.scheduler_info,
-            "internal_states": internal_states,
-            "version": __version__,
-        }
+        return replies.server_info(
+            self.server_args.to_dict(), self.scheduler_info, internal_states
+        )
 
     def get_model_info(self) -> dict[str, Any]:
         """What this engine serves now (as ``GET /get_model_info``): ``model_path`` (the last
         checkpoint loaded), ``tokenizer_path``, ``is_generation``, ``weight_version``."""
         tokenizer_path = self.server_args.tokenizer_path
-        return self._run(engine_weights.model_info(self._manager(), tokenizer_path))
+        return self._run(replies.model_info(self._manager(), tokenizer_path))
 
     async def async_get_model_info(self) -> dict[str, Any]:
         tokenizer_path = self.server_args.tokenizer_path
-        return await self._bridge(engine_weights.model_info(self._manager(), tokenizer_path))
+        return await self._bridge(replies.model_info(self._manager(), tokenizer_path))
 
     def flush_cache(self) -> FlushCacheReqOutput:
         """Flush the prefix cache; ``.success`` False (with ``.error_msg``) when refused."""
@@ -564,16 +559,11 @@ async def _pause(
     )
     if not out.success:
         raise ValueError(out.message)
-    return out.to_reply()
+    return replies.pause_reply(out)
 
 
 async def _continue(tm: TokenizerManager) -> dict[str, Any]:
-    out = await tm.continue_generation()
-    return {
-        "message": "Generation continued successfully.",
-        "status": "ok",
-        "was_paused": out.was_paused,
-    }
+    return replies.continue_reply(await tm.continue_generation())
 
 
 # Arguments of upstream SGLang's Engine.generate for features this engine does not have. RL

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from sglang.srt.entrypoints import replies
 from sglang.srt.managers.io_struct import (
     GetWeightsByNameReqInput,
     UpdateWeightFromDiskReqInput,
@@ -14,18 +15,6 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightVersionReqInput,
 )
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
-
-
-async def model_info(tm: Any, tokenizer_path: str | None) -> dict[str, Any]:
-    """The reply of ``GET /get_model_info`` and ``Engine.get_model_info``: the checkpoint served
-    now (a disk update changes it) and the current weight version."""
-    states = await tm.get_internal_state()
-    return {
-        "model_path": tm.model_path,
-        "tokenizer_path": tokenizer_path,
-        "is_generation": True,
-        "weight_version": states[0].get("weight_version") if states else None,
-    }
 
 
 async def update_from_disk(
@@ -81,5 +70,4 @@ async def update_version(
     out = await tm.update_weight_version(obj)
     if not out.success:
         raise ValueError(out.message)
-    return {"success": True, "message": out.message, "new_version": out.new_version,
-            "num_aborted": out.num_aborted}
+    return replies.weight_version_reply(out)

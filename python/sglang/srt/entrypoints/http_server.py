@@ -24,7 +24,7 @@ from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 import sglang
-from sglang.srt.entrypoints import engine_weights
+from sglang.srt.entrypoints import replies
 from sglang.srt.entrypoints.http_compat import router as compat_router
 from sglang.srt.entrypoints.http_guard import (
     GuardMiddleware,
@@ -233,22 +233,17 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> Response:
     tokenizer_path = request.app.state.server_args.tokenizer_path
-    return json_response(await engine_weights.model_info(_tm(request), tokenizer_path))
+    return json_response(await replies.model_info(_tm(request), tokenizer_path))
 
 
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> Response:
     """Server args (API key redacted), scheduler info, the schedulers' internal states."""
     state = request.app.state
-    args = state.server_args.to_dict()
-    if args.get("api_key"):
-        args["api_key"] = "<redacted>"
-    return json_response({
-        **args,
-        **state.scheduler_info,
-        "internal_states": await _tm(request).get_internal_state(),
-        "version": sglang.__version__,
-    })
+    internal_states = await _tm(request).get_internal_state()
+    return json_response(
+        replies.server_info(state.server_args.to_dict(), state.scheduler_info, internal_states)
+    )
 
 
 @router.post("/flush_cache")
@@ -269,7 +264,7 @@ async def abort_request(body: AbortRequestBody, request: Request) -> Response:
     num_aborted = await _tm(request).abort_request_async(
         body.rid, body.abort_all, body.match_prefix
     )
-    return json_response({"success": True, "num_aborted": num_aborted})
+    return json_response(replies.abort_reply(num_aborted))
 
 
 @router.post("/pause_generation")
@@ -279,25 +274,19 @@ async def pause_generation(request: Request, body: PauseGenerationBody | None = 
     out = await _tm(request).pause_generation(PauseGenerationReqInput(**body.model_dump()))
     if not out.success:
         raise ValueError(out.message)
-    return json_response(out.to_reply())
+    return json_response(replies.pause_reply(out))
 
 
 @router.post("/continue_generation")
 async def continue_generation(request: Request) -> Response:
     out = await _tm(request).continue_generation(ContinueGenerationReqInput())
-    return json_response(
-        {"message": "Generation continued successfully.", "status": "ok",
-         "was_paused": out.was_paused}
-    )
+    return json_response(replies.continue_reply(out))
 
 
 @router.get("/is_paused")
 async def is_paused(request: Request) -> Response:
     state = (await _tm(request).get_internal_state())[0]
-    return json_response(
-        {"is_paused": state["engine_paused"], "pause_mode": state["pause_mode"],
-         "paused_since": state["paused_since"]}
-    )
+    return json_response(replies.is_paused_reply(state))
 
 
 @router.get("/metrics")

@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
+from sglang.srt.entrypoints import replies
 from sglang.srt.entrypoints.openai.serving_base import error_body, json_response
 from sglang.srt.managers.io_struct import (
     GetWeightsByNameReqInput,
@@ -75,8 +76,7 @@ async def update_weights_from_disk(body: UpdateWeightsFromDiskBody, request: Req
         body.model_path, body.load_format, body.abort_all_requests, body.weight_version,
         body.flush_cache,
     ))
-    reply: dict[str, Any] = {"success": out.success, "message": out.message,
-                             "num_paused_requests": out.num_paused_requests}
+    reply = replies.disk_update_reply(out)
     if out.success:
         return json_response(reply)
     return json_response({**reply, **error_body(out.message, 400)}, 400)
@@ -101,8 +101,7 @@ async def update_weight_version(body: UpdateWeightVersionBody, request: Request)
     )
     if not out.success:
         raise ValueError(out.message)
-    return json_response({"success": True, "message": out.message,
-                          "new_version": out.new_version, "num_aborted": out.num_aborted})
+    return json_response(replies.weight_version_reply(out))
 
 
 @router.post("/release_memory_occupation")
@@ -127,7 +126,7 @@ async def resume_memory_occupation(
 
 
 def _memory_reply(out: Any) -> Response:
-    reply = {"success": out.success, "message": out.message, "released_tags": out.released_tags}
+    reply = replies.memory_reply(out)
     if out.success:
         return json_response(reply)
     return json_response({**reply, **error_body(out.message, 400)}, 400)

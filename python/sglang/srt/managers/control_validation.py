@@ -23,6 +23,7 @@ from sglang.srt.managers.field_checks import (
     check_str,
 )
 from sglang.srt.managers.io_struct import (
+    MAX_VERSION_LEN,
     AbortReq,
     GetWeightsByNameReqInput,
     PauseGenerationReqInput,
@@ -33,8 +34,8 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightVersionReqInput,
 )
 
-# Longest weight-version label (it is repeated in every reply: keep it short).
-MAX_LABEL_LEN = 256
+# Longest label (weight versions, memory tags).
+MAX_LABEL_LEN = MAX_VERSION_LEN
 # Longest checkpoint path, in characters (Linux's PATH_MAX).
 MAX_PATH_LEN = 4096
 # Longest rid prefix an abort may name, and the longest weight name.

@@ -23,6 +23,8 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 # The label of the weights a server starts with, until update_weight_version or an update with
 # ``weight_version`` names them (the one definition every process uses).
 DEFAULT_WEIGHT_VERSION = "default"
+# Longest weight-version label (it is repeated in every reply: keep it short).
+MAX_VERSION_LEN = 256
 
 
 def _new_id() -> str:
@@ -321,18 +323,6 @@ class PauseGenerationReqOutput:
     flushed: bool = False
     req_id: str = ""
 
-    def to_reply(self) -> dict[str, Any]:
-        """What /pause_generation and ``Engine.pause_generation`` return on success."""
-        return {
-            "message": "Generation paused successfully.",
-            "status": "ok",
-            "mode": self.mode,
-            "num_running": self.num_running,
-            "num_retracted": self.num_retracted,
-            "num_aborted": self.num_aborted,
-            "num_waiting": self.num_waiting,
-            "flushed": self.flushed,
-        }
 
 
 @dataclass

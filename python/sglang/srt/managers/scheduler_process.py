@@ -28,6 +28,7 @@ from sglang.srt.managers.io_struct import (
 from sglang.srt.managers.req_kv import ReqKV
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.managers.weight_state import WeightState
 from sglang.srt.mem_cache import create_prefix_cache
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils import configure_logger, dumps, get_zmq_socket, loads
@@ -61,7 +62,13 @@ def build_scheduler(
     tree_cache = create_prefix_cache(
         server_args.disable_radix_cache, runner.allocator, server_args.page_size
     )
-    kv = ReqKV(runner.req_to_token_pool, runner.allocator, tree_cache, server_args.page_size)
+    kv = ReqKV(
+        runner.req_to_token_pool,
+        runner.allocator,
+        tree_cache,
+        server_args.page_size,
+        WeightState(version=server_args.weight_version),
+    )
     return Scheduler(
         server_args,
         model_config,

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.managers.control_hooks import SchedulerHooks
+from sglang.srt.managers.control_validation import NOT_LOADABLE
 from sglang.srt.managers.io_struct import (
     GetWeightsByNameReqInput,
     GetWeightsByNameReqOutput,
@@ -188,7 +189,8 @@ class WeightUpdater:
         if not isinstance(model_path, str) or not model_path:
             raise wu.WeightUpdateError("model_path must be a non-empty string")
         if not os.path.exists(os.path.expanduser(model_path)):
-            raise wu.WeightUpdateError(f"model path {model_path!r} does not exist")
+            # Same words as the edge check: say nothing about which paths exist on this host.
+            raise wu.WeightUpdateError(f"model_path: {NOT_LOADABLE}")
         load_format = load_format or self.model_config.load_format
         if load_format == "dummy":
             raise wu.WeightUpdateError("load_format='dummy' has no weights to load")

@@ -121,3 +121,18 @@ def assert_kv_all_back(state: dict[str, Any]) -> None:
     assert state["req_to_token_pool_used"] == 0
     assert state["private_kv_tokens"] == 0
     assert state["available_kv_tokens"] == state["max_total_num_tokens"]
+
+
+# A fixed greedy request: the same tokens before and after any malformed request proves the
+# server is still serving correctly (hardening and fuzz tests).
+REFERENCE_REQUEST = {
+    "input_ids": [5, 6, 7, 8],
+    "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+}
+
+
+def reference_ids(server: ServerProcess) -> list[int]:
+    """The output ids of :data:`REFERENCE_REQUEST` on ``server`` (asserting a 200)."""
+    r = httpx.post(server.url + "/generate", json=REFERENCE_REQUEST, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]

@@ -17,6 +17,20 @@ from server_test_utils import ServerProcess, free_port
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 
 
+def _wait_until_up(proc: subprocess.Popen, url: str, what: str, timeout: float = 120) -> None:
+    """Poll ``url`` until it answers 200; fail with ``proc``'s output if it exits first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+        assert time.monotonic() < deadline, f"{what} did not come up"
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def two_workers(tiny_model_dir: Callable[..., Path]) -> Iterator[list[ServerProcess]]:
     model = tiny_model_dir("llama")
@@ -47,16 +61,7 @@ def router(router_package: None, two_workers: list[ServerProcess]) -> Iterator[s
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
-            assert time.monotonic() < deadline, "the router did not become ready"
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        _wait_until_up(proc, f"{url}/v1/models", "the router")
         yield url
     finally:
         proc.terminate()
@@ -135,16 +140,7 @@ def test_skyrl_server_launcher_serves_token_in_token_out(
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
-            assert time.monotonic() < deadline, "SkyRL's launcher did not become healthy"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        _wait_until_up(proc, f"{url}/health", "SkyRL's launcher")
         out = httpx.post(f"{url}/generate", timeout=60,
                          json={"input_ids": [5, 6, 7, 8], "sampling_params": GREEDY}).json()
         assert len(out["output_ids"]) == 4  # --skip-tokenizer-init: ids only

@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
+from engine_test_utils import REFERENCE_REQUEST, reference_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_test_utils import ServerProcess
@@ -38,8 +39,7 @@ FUZZ_SETTINGS = settings(
     max_examples=NUM_EXAMPLES, deadline=None, derandomize=True, database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-GREEDY = {"input_ids": [5, 6, 7, 8],
-          "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}
+GREEDY = REFERENCE_REQUEST
 COUNTS: Counter[str] = Counter()
 
 NASTY = st.sampled_from([
@@ -124,13 +124,7 @@ def report_counts() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def reference(server: ServerProcess) -> list[int]:
-    return _greedy(server)
-
-
-def _greedy(server: ServerProcess) -> list[int]:
-    r = httpx.post(server.url + "/generate", json=GREEDY, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()["output_ids"]
+    return reference_ids(server)
 
 
 def _check_answer(r: httpx.Response) -> None:
@@ -154,7 +148,7 @@ def _send(server: ServerProcess, path: str, body: bytes) -> None:
 
 
 def _still_serving(server: ServerProcess, reference: list[int]) -> None:
-    assert _greedy(server) == reference
+    assert reference_ids(server) == reference
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+from engine_test_utils import REFERENCE_REQUEST, reference_ids
 from server_test_utils import ServerProcess
 
 from sglang.srt.entrypoints.engine import _make_request
@@ -35,8 +36,7 @@ from sglang.srt.managers.io_struct import (
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.server_args import PortArgs, ServerArgs
 
-GREEDY = {"input_ids": [5, 6, 7, 8],
-          "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}
+GREEDY = REFERENCE_REQUEST
 SURROGATE = '"\\ud800"'  # a JSON string holding a lone surrogate
 
 
@@ -53,13 +53,7 @@ def server(model_dir: Path) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def reference(server: ServerProcess) -> list[int]:
-    return _greedy(server)
-
-
-def _greedy(server: ServerProcess) -> list[int]:
-    r = httpx.post(server.url + "/generate", json=GREEDY, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()["output_ids"]
+    return reference_ids(server)
 
 
 def _raw(server: ServerProcess, path: str, body: str | bytes,
@@ -137,7 +131,7 @@ def test_issue_examples_are_refused_and_the_engine_keeps_serving(
     error = r.json()["error"]
     assert needle in error["message"] and error["code"] == 400, error
     assert len(r.content) < 4096  # an error never echoes a huge input
-    assert _greedy(server) == reference
+    assert reference_ids(server) == reference
     assert httpx.get(server.url + "/health").status_code == 200
 
 

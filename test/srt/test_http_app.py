@@ -26,10 +26,12 @@ from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
 from sglang.srt.managers.io_struct import (
     ContinueGenerationReqInput,
     ContinueGenerationReqOutput,
+    DestroyWeightsUpdateGroupReqInput,
     FlushCacheReqOutput,
     GenerateReqInput,
     GetWeightsByNameReqInput,
     GetWeightsByNameReqOutput,
+    InitWeightsUpdateGroupReqInput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     ReleaseMemoryOccupationReqInput,
@@ -38,6 +40,9 @@ from sglang.srt.managers.io_struct import (
     ResumeMemoryOccupationReqOutput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightsFromTensorReqOutput,
     UpdateWeightVersionReqInput,
     UpdateWeightVersionReqOutput,
 )
@@ -217,6 +222,26 @@ class FakeTokenizerManager:
         self, obj: UpdateWeightFromDiskReqInput
     ) -> UpdateWeightFromDiskReqOutput:
         return UpdateWeightFromDiskReqOutput(success=False, message=self.NO_WEIGHTS)
+
+    async def update_weights_from_tensor(
+        self, obj: UpdateWeightsFromTensorReqInput, request: object = None
+    ) -> UpdateWeightsFromTensorReqOutput:
+        return UpdateWeightsFromTensorReqOutput(success=False, message=self.NO_WEIGHTS)
+
+    async def init_weights_update_group(
+        self, obj: InitWeightsUpdateGroupReqInput, request: object = None
+    ) -> tuple[bool, str]:
+        return False, self.NO_WEIGHTS
+
+    async def update_weights_from_distributed(
+        self, obj: UpdateWeightsFromDistributedReqInput, request: object = None
+    ) -> tuple[bool, str]:
+        return False, self.NO_WEIGHTS
+
+    async def destroy_weights_update_group(
+        self, obj: DestroyWeightsUpdateGroupReqInput, request: object = None
+    ) -> tuple[bool, str]:
+        return False, self.NO_WEIGHTS
 
     async def get_weights_by_name(self, obj: GetWeightsByNameReqInput) -> GetWeightsByNameReqOutput:
         return GetWeightsByNameReqOutput(parameter=None, message=self.NO_WEIGHTS)

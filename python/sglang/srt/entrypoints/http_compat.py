@@ -16,7 +16,6 @@ Bodies are strict: a field this build does not know is a 400 naming it.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -29,6 +28,9 @@ from sglang.srt.managers.io_struct import (
     InitWeightsUpdateGroupReqInput,
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
+)
+from sglang.srt.managers.tokenizer_manager_protocol import (
+    tokenizer_manager_of,
 )
 
 router = APIRouter()
@@ -73,8 +75,7 @@ class DestroyWeightsUpdateGroupBody(_Strict):
     group_name: str = "weight_update_group"
 
 
-def _tm(request: Request) -> Any:
-    return request.app.state.tokenizer_manager
+_tm = tokenizer_manager_of
 
 
 @router.get("/get_load")

@@ -14,7 +14,7 @@ import inspect
 import logging
 import signal
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import fields
 from typing import Any
@@ -52,6 +52,10 @@ from sglang.srt.managers.io_struct import (
     ContinueGenerationReqInput,
     GenerateReqInput,
     PauseGenerationReqInput,
+)
+from sglang.srt.managers.tokenizer_manager_protocol import (
+    TokenizerManagerProtocol,
+    tokenizer_manager_of,
 )
 from sglang.srt.metrics import NoMetrics, ServerMetrics
 from sglang.srt.server_args import ServerArgs
@@ -172,8 +176,7 @@ class RequestObserver:
 # ---------------------------------------------------------------------------------------------
 # Native endpoints
 # ---------------------------------------------------------------------------------------------
-def _tm(request: Request) -> Any:
-    return request.app.state.tokenizer_manager
+_tm = tokenizer_manager_of
 
 
 @router.get("/health")
@@ -196,7 +199,8 @@ async def health_generate(request: Request) -> Response:
     then a round trip to the scheduler (it still serves control requests).
     """
     tm = _tm(request)
-    if getattr(tm, "is_paused", False) or getattr(tm, "memory_released", False):
+    probe: Awaitable[object]
+    if tm.is_paused or tm.memory_released:
         probe = tm.get_internal_state()
     else:
         probe = _drain(tm.generate_request(_probe_request(tm, f"HEALTH_CHECK_{uuid.uuid4().hex}")))
@@ -327,11 +331,11 @@ async def openai_chat_completions(body: ChatCompletionRequest, request: Request)
     return await request.app.state.serving_chat.handle(body, request)
 
 
-def _model_card(tm: Any) -> ModelCard:
+def _model_card(tm: TokenizerManagerProtocol) -> ModelCard:
     return ModelCard(id=tm.served_model_name, root=tm.model_path, max_model_len=tm.context_len)
 
 
-def _probe_request(tm: Any, rid: str) -> GenerateReqInput:
+def _probe_request(tm: TokenizerManagerProtocol, rid: str) -> GenerateReqInput:
     """A one-token greedy request (health check and warm-up); token ids if no tokenizer."""
     params = {"max_new_tokens": 1, "temperature": 0.0}
     if tm.tokenizer is None:
@@ -377,7 +381,7 @@ async def _announce_when_ready(app: FastAPI) -> None:
     logger.info("The server is ready at %s", state.server_args.url())
 
 
-async def _warmup(tokenizer_manager: Any) -> None:
+async def _warmup(tokenizer_manager: TokenizerManagerProtocol) -> None:
     await _drain(tokenizer_manager.generate_request(
         _probe_request(tokenizer_manager, f"WARMUP_{uuid.uuid4().hex}")))
 
@@ -407,7 +411,7 @@ def _fastapi_kwargs() -> dict[str, Any]:
 
 
 def create_app(
-    tokenizer_manager: Any,
+    tokenizer_manager: TokenizerManagerProtocol,
     server_args: ServerArgs,
     processes: list[Any] | None = None,
     scheduler_info: dict[str, Any] | None = None,

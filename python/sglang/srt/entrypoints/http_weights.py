@@ -30,6 +30,9 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightFromDiskReqInput,
     UpdateWeightVersionReqInput,
 )
+from sglang.srt.managers.tokenizer_manager_protocol import (
+    tokenizer_manager_of,
+)
 
 router = APIRouter()
 
@@ -64,8 +67,7 @@ class MemoryOccupationBody(BaseModel):
     tags: list[str] | None = None  # "kv_cache", "weights", "cuda_graph"; null = all
 
 
-def _tm(request: Request) -> Any:
-    return request.app.state.tokenizer_manager
+_tm = tokenizer_manager_of
 
 
 @router.post("/update_weights_from_disk")

@@ -18,7 +18,7 @@ import asyncio
 import copy
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -193,7 +193,7 @@ class TokenizerManager:
     # ---- generation --------------------------------------------------------------------------
     async def generate_request(
         self, obj: GenerateReqInput, request: fastapi.Request | None = None
-    ) -> AsyncIterator[dict | list[dict]]:
+    ) -> AsyncGenerator[dict | list[dict], None]:
         """Validate, send and await ``obj``; yields outputs (see the module docstring).
 
         Non-stream: yields one dict (single request) or one list of dicts in input order

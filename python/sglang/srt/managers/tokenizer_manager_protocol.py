@@ -17,16 +17,18 @@ Contracts the HTTP layer relies on, beyond the signatures:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from sglang.srt.managers.io_struct import (
     ContinueGenerationReqInput,
     ContinueGenerationReqOutput,
+    DestroyWeightsUpdateGroupReqInput,
     FlushCacheReqOutput,
     GenerateReqInput,
     GetWeightsByNameReqInput,
     GetWeightsByNameReqOutput,
+    InitWeightsUpdateGroupReqInput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     ReleaseMemoryOccupationReqInput,
@@ -35,12 +37,18 @@ from sglang.srt.managers.io_struct import (
     ResumeMemoryOccupationReqOutput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightsFromTensorReqOutput,
     UpdateWeightVersionReqInput,
     UpdateWeightVersionReqOutput,
 )
 
 if TYPE_CHECKING:
     import fastapi
+    from fastapi import Request
+
+    from sglang.srt.managers.request_validation import RequestLimits
 
 
 class WatchedProcess(Protocol):
@@ -69,6 +77,10 @@ class TokenizerManagerProtocol(Protocol):
     def context_len(self) -> int: ...
 
     @property
+    def limits(self) -> RequestLimits:
+        """What requests are checked against (model sizes and the server's request limits)."""
+
+    @property
     def is_paused(self) -> bool:
         """Generation is paused as far as this frontend knows."""
 
@@ -87,7 +99,7 @@ class TokenizerManagerProtocol(Protocol):
 
     def generate_request(
         self, obj: GenerateReqInput, request: fastapi.Request | None = None
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         """Outputs of ``obj``: one dict (or a list for a batch) unless streaming, else a dict
         per update. ``request``: its client disconnecting aborts the rids."""
 
@@ -111,6 +123,26 @@ class TokenizerManagerProtocol(Protocol):
         self, obj: UpdateWeightFromDiskReqInput
     ) -> UpdateWeightFromDiskReqOutput: ...
 
+    async def update_weights_from_tensor(
+        self, obj: UpdateWeightsFromTensorReqInput, request: fastapi.Request | None = None
+    ) -> UpdateWeightsFromTensorReqOutput:
+        """Copy tensors (or upstream's serialized payload) into the model; refused when invalid
+        (``success=False``)."""
+
+    async def init_weights_update_group(
+        self, obj: InitWeightsUpdateGroupReqInput, request: fastapi.Request | None = None
+    ) -> tuple[bool, str]:
+        """Join a trainer's weight-broadcast group: upstream's ``(success, message)``."""
+
+    async def update_weights_from_distributed(
+        self, obj: UpdateWeightsFromDistributedReqInput, request: fastapi.Request | None = None
+    ) -> tuple[bool, str]:
+        """Receive broadcast tensors and load them: ``(success, message)``."""
+
+    async def destroy_weights_update_group(
+        self, obj: DestroyWeightsUpdateGroupReqInput, request: fastapi.Request | None = None
+    ) -> tuple[bool, str]: ...
+
     async def get_weights_by_name(
         self, obj: GetWeightsByNameReqInput
     ) -> GetWeightsByNameReqOutput: ...
@@ -126,3 +158,8 @@ class TokenizerManagerProtocol(Protocol):
     async def resume_memory_occupation(
         self, obj: ResumeMemoryOccupationReqInput
     ) -> ResumeMemoryOccupationReqOutput: ...
+
+
+def tokenizer_manager_of(request: Request) -> TokenizerManagerProtocol:
+    """The frontend serving an HTTP request (set on the app by ``create_app``)."""
+    return request.app.state.tokenizer_manager

@@ -14,6 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from sglang.srt.entrypoints.openai.protocol import UsageInfo
 from sglang.srt.managers.field_checks import InvalidRequestError
+from sglang.srt.managers.tokenizer_manager_protocol import TokenizerManagerProtocol
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ class OpenAIServingBase:
     belongs to prompt ``i // n``.
     """
 
-    def __init__(self, tokenizer_manager: Any, metrics: Any) -> None:
+    def __init__(self, tokenizer_manager: TokenizerManagerProtocol, metrics: Any) -> None:
         self.tm = tokenizer_manager
         self.metrics = metrics
 

@@ -112,8 +112,9 @@ class Scheduler:
         self.init_new_token_ratio = min(0.7 * server_args.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = self.init_new_token_ratio * _MIN_NEW_TOKEN_RATIO_FACTOR
         self.new_token_ratio = self.init_new_token_ratio
-        # Full invariant checks (tree walk, slot ownership) on every idle turn in debug mode;
-        # the cheap counting check runs whenever the scheduler goes idle and before a flush.
+        # The invariants are checked whenever the scheduler goes idle and before a flush (a
+        # tree walk and a pass over the free list, once per busy period); in debug mode on
+        # every idle turn.
         self.debug_checks = server_args.log_level == "debug"
         self._was_busy = False
 
@@ -197,13 +198,13 @@ class Scheduler:
     def on_idle(self) -> None:
         self.new_token_ratio = self.init_new_token_ratio
         if self.debug_checks or self._was_busy:
-            self.check_invariants(full=self.debug_checks)
+            self.check_invariants()
         self._was_busy = False
 
-    def check_invariants(self, full: bool = True) -> None:
+    def check_invariants(self) -> None:
         """Raise AssertionError if a KV slot or pool row is not owned by exactly one of: the
         free list, the prefix cache, one admitted request (see scheduler_invariants)."""
-        check_invariants(self.kv, self.waiting_queue, self.chunked_req, self.running_batch, full)
+        check_invariants(self.kv, self.waiting_queue, self.chunked_req, self.running_batch)
 
     # ---- batch selection --------------------------------------------------------------------
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
@@ -471,7 +472,7 @@ class Scheduler:
                 success=False,
                 error_msg=f"{holders} request(s) hold KV cache (running or paused in place)",
             )
-        self.check_invariants(full=self.debug_checks)
+        self.check_invariants()
         flushed = self.tree_cache.total_size()
         self.tree_cache.reset()
         self.kv.req_to_token_pool.clear()

@@ -6,8 +6,8 @@ Owners of the ``allocator.size`` usable KV slots (whole pages), at every loop-tu
     pages ([prefix_len, kv_len), a partial last page counted whole)  ==  allocator.size
 
 and each ReqToTokenPool row in use belongs to exactly one admitted request. Requests in the
-waiting queue hold nothing. ``full`` adds what costs a walk: the radix tree's own integrity and
-slot-level ownership (no page both free and held, none held twice).
+waiting queue hold nothing. Beyond the counts: the radix tree's own integrity and page-level
+ownership (no page both free and held, none held twice).
 
 Called whenever the scheduler goes idle, before every flush (a leak must show before a reset
 hides it), every idle turn in debug mode, and after every step in the in-process tests.
@@ -33,7 +33,6 @@ def check_invariants(
     waiting_queue: list[Req],
     chunked_req: Req | None,
     running_batch: ScheduleBatch,
-    full: bool = True,
 ) -> None:
     """Raise AssertionError naming the first violated invariant. Read-only."""
     holders = running_batch.reqs + ([] if chunked_req is None else [chunked_req])
@@ -64,9 +63,8 @@ def check_invariants(
         f"KV slots: free {free} + cached {cache.total_size()} + private {private} = {total} "
         f"!= pool {kv.allocator.size}",
     )
-    if full:
-        cache.check_integrity(num_private=private)
-        _check_slot_owners(kv, holders)
+    cache.check_integrity(num_private=private)
+    _check_slot_owners(kv, holders)
 
 
 def _check_slot_owners(kv: ReqKV, holders: list[Req]) -> None:

@@ -66,13 +66,15 @@ class MemoryOccupation:
     the ModelRunner (weights, KV pool).
 
     ``restore_weights`` is called after the weights were re-allocated (the WeightUpdater's
-    ``restore_after_resume``, set once both exist); it returns a note for the caller.
+    ``restore_after_resume``); it returns a note for the caller.
     """
 
-    def __init__(self, backend: MemoryBackend, hooks: SchedulerHooks) -> None:
+    def __init__(
+        self, backend: MemoryBackend, hooks: SchedulerHooks, restore_weights: Callable[[], str]
+    ) -> None:
         self.backend = backend
         self.hooks = hooks
-        self.restore_weights: Callable[[], str] = lambda: ""
+        self.restore_weights = restore_weights
         self.released: set[str] = set()
 
     def blocks_forward(self) -> bool:

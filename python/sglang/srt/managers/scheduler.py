@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.layers.sampler import derive_seed
 from sglang.srt.managers.control_hooks import SchedulerHooks
 from sglang.srt.managers.io_struct import (
     AbortReq,
@@ -47,6 +46,7 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.memory_occupation import MemoryBackend, MemoryOccupation
 from sglang.srt.managers.pause_state import PauseModeError, PauseState, resolve_pause_mode
+from sglang.srt.managers.req_intake import make_req, refusal
 from sglang.srt.managers.req_kv import ReqKV
 from sglang.srt.managers.schedule_batch import Req, ReqStatus, ScheduleBatch
 from sglang.srt.managers.schedule_policy import (
@@ -129,9 +129,10 @@ class Scheduler:
             invalidate_cache=self._invalidate_cache,
             num_alive=self.num_alive,
         )
-        self.memory = MemoryOccupation(runner, hooks)
+        self.memory = MemoryOccupation(
+            runner, hooks, restore_weights=lambda: self.weights.restore_after_resume()
+        )
         self.weights = WeightUpdater(runner, model_config, weight_state, self.memory, hooks)
-        self.memory.restore_weights = self.weights.restore_after_resume
         self.dispatch = TypeBasedDispatcher(
             [
                 (TokenizedGenerateReqInput, self.handle_generate_request),
@@ -395,49 +396,12 @@ class Scheduler:
             self.finish([req], {"type": "abort", "message": f"Invalid request: {e}"})
 
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
-        sp = recv.sampling_params
-        eos = set(sp.stop_token_ids or [])
-        if not sp.ignore_eos:
-            eos |= self.model_config.eos_token_ids
-        req = Req(
-            rid=recv.rid,
-            origin_input_ids=list(recv.input_ids),
-            sampling_params=sp,
-            sampling_seed=sp.sampling_seed
-            if sp.sampling_seed is not None
-            else derive_seed(self.server_args.random_seed, recv.rid),
-            eos_token_ids=eos,
-            return_logprob=recv.return_logprob,
-            logprob_start_len=recv.logprob_start_len,
-            top_logprobs_num=recv.top_logprobs_num,
-            stream=recv.stream,
-            return_entropy=recv.return_entropy,
-            entropy_mode=recv.entropy_mode,
-            entropy_top_k=recv.entropy_top_k,
-        )
-        refusal = self._refusal(req)
-        if refusal is not None:
-            self.finish([req], {"type": "abort", "message": refusal})
+        req = make_req(recv, self.model_config, self.server_args.random_seed)
+        reason = refusal(req, self.max_req_input_len, self.max_total_num_tokens)
+        if reason is not None:
+            self.finish([req], {"type": "abort", "message": reason})
             return
         self.waiting_queue.append(req)
-
-    def _refusal(self, req: Req) -> str | None:
-        """Why ``req`` can never run here (None: it can)."""
-        if not req.origin_input_ids:
-            return "The prompt is empty"
-        if req.prompt_len > self.max_req_input_len:
-            return (
-                f"The prompt has {req.prompt_len} tokens; at most "
-                f"{self.max_req_input_len} fit in the context or KV pool"
-            )
-        min_total = req.prompt_len + req.sampling_params.min_new_tokens
-        if min_total > self.max_total_num_tokens:
-            return (
-                f"The prompt ({req.prompt_len} tokens) plus min_new_tokens "
-                f"({req.sampling_params.min_new_tokens}) needs {min_total} KV tokens; the KV "
-                f"pool holds {self.max_total_num_tokens}"
-            )
-        return None
 
     def handle_abort(self, recv: AbortReq) -> AbortReqOutput:
         """Abort by exact rid, rid prefix (when asked) or all; each gets its final output now."""

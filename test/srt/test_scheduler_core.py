@@ -381,5 +381,6 @@ def test_start_up_weight_version_labels_tokens(model_dir: str) -> None:
     run_until_idle(core)
     assert sink.by_rid["a"].weight_version == "step-0"
     assert core.internal_state()["weight_version"] == "step-0"
-    with pytest.raises(ValueError, match="weight-version"):
-        make_core(model_dir, weight_version="")
+    for bad in ("", "x" * 257, "\ud800", "a\nb", 7):
+        with pytest.raises(ValueError, match="weight-version"):
+            make_core(model_dir, weight_version=bad)

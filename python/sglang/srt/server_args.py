@@ -238,10 +238,15 @@ class ServerArgs:
 
     def _check(self) -> None:
         """Reject values that we accept on the command line but cannot honour."""
-        if not self.weight_version or len(self.weight_version) > MAX_VERSION_LEN:
+        if (
+            not isinstance(self.weight_version, str)
+            or not self.weight_version
+            or len(self.weight_version) > MAX_VERSION_LEN
+            or not self.weight_version.isprintable()
+        ):
             raise ValueError(
-                f"--weight-version must be a non-empty label of at most {MAX_VERSION_LEN} "
-                "characters"
+                f"--weight-version must be a non-empty printable label of at most "
+                f"{MAX_VERSION_LEN} characters"
             )
         if self.tp_size != 1:
             raise ValueError("--tp-size > 1 is not supported yet; run with --tp-size 1")

@@ -13,6 +13,12 @@ import torch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.attention import get_attention_backend_class
 from sglang.srt.layers.batch_invariant import enable_batch_invariant_mode
+from sglang.srt.layers.cpu_prepack import (
+    PackedLinear,
+    enable_cpu_weight_prepack,
+    pack_now,
+    prepack_supported,
+)
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.sampler import get_logsumexp
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
@@ -70,6 +76,7 @@ class ModelRunner:
             kernels = "triton" if server_args.attention_backend == "triton" else "torch"
             if not enable_batch_invariant_mode(self.model, kernels):
                 raise RuntimeError("deterministic mode: the model has no switchable linear layer")
+        self._packers = self._enable_prepack()
         self.attn_backend = get_attention_backend_class(backend)()
         logsumexp = get_logsumexp(server_args.sampling_backend)
         for module in self.model.modules():
@@ -81,6 +88,27 @@ class ModelRunner:
             self.max_total_num_tokens * self._kv_bytes_per_token() / 2**20,
             self.max_running_requests,
         )
+
+    def _enable_prepack(self) -> list[PackedLinear]:
+        """oneDNN-packed weight copies for the linear layers on CPU (layers/cpu_prepack.py);
+        not in deterministic mode, whose batch-invariant product must stay in place."""
+        args = self.server_args
+        if (
+            torch.device(self.device).type != "cpu"
+            or args.enable_deterministic_inference
+            or args.disable_cpu_weight_prepack
+            or not prepack_supported()
+        ):
+            return []
+        packers = enable_cpu_weight_prepack(self.model)
+        nbytes = pack_now(self.model)
+        logger.info(
+            "CPU weight prepack: %d linear layers, %.1f MiB of packed copies "
+            "(--disable-cpu-weight-prepack saves it)",
+            len(packers),
+            nbytes / 2**20,
+        )
+        return packers
 
     def _kv_bytes_per_token(self) -> int:
         cfg = self.model_config
@@ -128,6 +156,8 @@ class ModelRunner:
     def release_weights(self) -> None:
         """Free every parameter's storage (the Parameter objects, their shapes and weight
         loaders stay); nothing runs until :meth:`resume_weights`."""
+        for packer in self._packers:
+            packer.clear()
         for name, param in self.model.named_parameters():
             self._released_shapes[name] = param.shape
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)

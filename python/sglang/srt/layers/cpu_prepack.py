@@ -1,0 +1,126 @@
+"""oneDNN-prepacked weights for the linear layers on CPU (``--disable-cpu-weight-prepack``).
+
+``F.linear`` on CPU hands a row-major ``[out, in]`` weight to MKL, which re-blocks it for its
+micro-kernel on every call and runs single-threaded for one input row. oneDNN can instead keep
+the weight in its own blocked layout, packed once, and multiply by it directly. Measured on 2
+cores (SmolLM2-135M's 120 layer matrices, weights streamed from memory as in a real step)::
+
+                      F.linear   packed
+    float32,  1 row    44 ms      29 ms
+    float32, 64 rows  154 ms      86 ms
+    bfloat16, 1 row    19 ms      14 ms
+    bfloat16, 64 rows  59 ms      47 ms
+
+The packed copy sits beside the parameter (which weight loaders, ``get_weights_by_name`` and
+weight updates keep using), so weights take twice their memory: the model runner logs the
+cost. A :class:`PackedLinear` repacks whenever its weight changes, detected through the
+tensor's storage pointer and in-place version counter, so every weight update path (disk,
+tensor, distributed, resume after release) is covered without telling it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sglang.srt.layers.batch_invariant import LinearHook
+from sglang.srt.layers.linear import linear
+
+# oneDNN picks the packed layout for this many input rows; 64 was the fastest hint for 1, 8, 64
+# and 256 rows alike on SmolLM2's shapes (a hint of 1 is up to 1.6x slower at 8-64 rows).
+_ROWS_HINT = 64
+_PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def prepack_supported() -> bool:
+    """Whether this torch build has the oneDNN linear ops (a CPU build with mkldnn)."""
+    return torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
+
+
+class PackedLinear:
+    """A ``linear_fn`` (``(x, weight, bias) -> y``) multiplying by a packed copy of ``weight``.
+
+    One instance serves one module: it holds the packed copy of the last weight it saw and
+    repacks when that weight's storage, shape, dtype or version changes. Inputs it cannot take
+    (another dtype or device, an inference-mode weight without a version counter) go through
+    the plain :func:`~sglang.srt.layers.linear.linear`, with the same result up to rounding.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[int, int, torch.dtype, tuple[int, ...]] | None = None
+        self._packed: torch.Tensor | None = None
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        packed = self.packed_weight(weight) if x.dtype == weight.dtype else None
+        if packed is None:
+            return linear(x, weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    def packed_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The packed copy of ``weight`` (packed now if it changed), or None if it cannot be."""
+        if (
+            weight.device.type != "cpu"
+            or weight.dtype not in _PACKABLE_DTYPES
+            or weight.dim() != 2
+            or weight.numel() == 0
+            or weight.is_inference()
+        ):
+            return None
+        key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
+        if key != self._key or self._packed is None:
+            self._packed = None  # free the old copy before making the new one
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
+            self._key = key
+        return self._packed
+
+    def clear(self) -> None:
+        """Drop the packed copy (it is made again by the next call)."""
+        self._key, self._packed = None, None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the packed copy (0 when there is none)."""
+        if self._packed is None:
+            return 0
+        return self._packed.numel() * self._packed.element_size()
+
+
+def enable_cpu_weight_prepack(model: nn.Module) -> list[PackedLinear]:
+    """Give every module with a ``linear_fn`` hook its own :class:`PackedLinear`.
+
+    Returns the new functions, so that the caller can pack them eagerly (see
+    :func:`pack_now`) and clear them when the weights are released.
+    """
+    packers = []
+    for module in model.modules():
+        if isinstance(module, LinearHook):
+            packer = PackedLinear()
+            module.linear_fn = packer
+            packers.append(packer)
+    return packers
+
+
+def pack_now(model: nn.Module) -> int:
+    """Pack every weight whose module has a :class:`PackedLinear`, now rather than at the first
+    forward pass; returns the bytes the packed copies take.
+
+    Modules hold their weight as ``weight``; the logits processor is given the LM head's, which
+    is the ``lm_head`` (or, tied, the embedding) weight of the model.
+    """
+    head = getattr(model, "lm_head", None)
+    total = 0
+    for module in model.modules():
+        packer = getattr(module, "linear_fn", None)
+        if not isinstance(packer, PackedLinear):
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None and head is not None:
+            weight = head.weight
+        if isinstance(weight, torch.Tensor):
+            packer.packed_weight(weight)
+            total += packer.nbytes
+    return total

@@ -212,6 +212,8 @@ def test_flattened_bucket_updates(engine: sgl.Engine) -> None:
     success, message = asyncio.run(engine.tokenizer_manager.update_weights_from_tensor(obj, None))
     assert success, message
     assert engine.get_model_info()["weight_version"] == "bucket-1"
+    with pytest.raises(ValueError, match="load_format='flattened_bucket'"):
+        engine.update_weights_from_tensor(data)  # a bucket without its load_format
     # Metadata that does not fit is refused with the reason; nothing changes.
     bad = [dataclasses.replace(m) for m in bucket.get_metadata()]
     bad[1].numel += 4

@@ -52,6 +52,8 @@ def tensor_request(
             abort_all_requests, weight_version,
         )
     if isinstance(named_tensors, dict):
+        if "flattened_tensor" in named_tensors:
+            raise ValueError("a flattened bucket needs load_format='flattened_bucket'")
         named_tensors = list(named_tensors.items())
     items = [(name, _own_storage(tensor)) for name, tensor in named_tensors]
     return UpdateWeightsFromTensorReqInput(

@@ -4,6 +4,8 @@ HTTP, stop_regex, and JSON errors for what we do not serve."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,16 +18,24 @@ from server_test_utils import ServerProcess
 
 import sglang
 from sglang.srt.utils import MultiprocessingSerializer
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+K_PROJ = "model.layers.0.self_attn.k_proj.weight"
+DOUBLED = "compat_weight_loaders.load_doubled"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Callable[..., Path]) -> Iterator[ServerProcess]:
-    with ServerProcess(tiny_model_dir("llama"), "--skip-server-warmup",
-                       "--enable-memory-saver", "--disable-cuda-graph") as srv:
-        yield srv
+    # The custom loader lives in test/srt/compat_weight_loaders.py: put it on the path.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(
+            [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+        with ServerProcess(tiny_model_dir("llama"), "--skip-server-warmup",
+                           "--enable-memory-saver", "--disable-cuda-graph",
+                           "--custom-weight-loader", DOUBLED) as srv:
+            yield srv
 
 
 def _get(server: ServerProcess, path: str) -> httpx.Response:
@@ -78,6 +88,66 @@ def test_update_weights_from_tensor_over_http(server: ServerProcess) -> None:
     restore = MultiprocessingSerializer.serialize([(Q_PROJ, original)], output_str=True)
     assert _post(server, "/update_weights_from_tensor",
                  {"serialized_named_tensors": [restore]}).status_code == 200
+
+
+def _weight(server: ServerProcess, name: str) -> torch.Tensor:
+    return torch.tensor(_post(server, "/get_weights_by_name",
+                              {"name": name, "truncate_size": 10**6}).json())
+
+
+def _bucket_payload(named: list[tuple[str, torch.Tensor]], metadata: list | None = None) -> str:
+    bucket = FlattenedTensorBucket(named_tensors=named)
+    return MultiprocessingSerializer.serialize(
+        {"flattened_tensor": bucket.get_flattened_tensor(),
+         "metadata": metadata if metadata is not None else bucket.get_metadata()},
+        output_str=True)
+
+
+def test_flattened_bucket_over_http_as_slime_sends_it(server: ServerProcess) -> None:
+    originals = [(Q_PROJ, _weight(server, Q_PROJ)), (K_PROJ, _weight(server, K_PROJ))]
+    news = [(name, torch.randn_like(w)) for name, w in originals]
+    out = _post(server, "/update_weights_from_tensor", {
+        "serialized_named_tensors": [_bucket_payload(news)], "load_format": "flattened_bucket",
+        "flush_cache": False, "weight_version": "bucket-7"})
+    assert out.status_code == 200, out.text
+    for name, tensor in news:
+        assert torch.equal(_weight(server, name), tensor)
+    assert _get(server, "/model_info").json()["weight_version"] == "bucket-7"
+    # Metadata that does not fit: a 400 with the reason, nothing changed.
+    bad = [dataclasses.replace(m) for m in FlattenedTensorBucket(named_tensors=originals).metadata]
+    bad[0].end_idx = 10**9
+    refused = _post(server, "/update_weights_from_tensor", {
+        "serialized_named_tensors": [_bucket_payload(originals, bad)],
+        "load_format": "flattened_bucket"})
+    assert refused.status_code == 400
+    assert "outside the flattened tensor" in refused.json()["message"]
+    # A bucket sent without its load_format is refused, saying which to use.
+    plain = _post(server, "/update_weights_from_tensor",
+                  {"serialized_named_tensors": [_bucket_payload(originals)]})
+    assert plain.status_code == 400 and "flattened_bucket" in plain.json()["message"]
+    for name, tensor in news:
+        assert torch.equal(_weight(server, name), tensor)
+    restore = _post(server, "/update_weights_from_tensor", {
+        "serialized_named_tensors": [_bucket_payload(originals)],
+        "load_format": "flattened_bucket"})
+    assert restore.status_code == 200, restore.text
+
+
+def test_custom_weight_loader_over_http(server: ServerProcess) -> None:
+    original = _weight(server, Q_PROJ)
+    payload = MultiprocessingSerializer.serialize([(Q_PROJ, original)], output_str=True)
+    out = _post(server, "/update_weights_from_tensor",
+                {"serialized_named_tensors": [payload], "load_format": DOUBLED})
+    assert out.status_code == 200, out.text
+    assert torch.equal(_weight(server, Q_PROJ), original * 2)
+    refused = _post(server, "/update_weights_from_tensor",
+                    {"serialized_named_tensors": [payload], "load_format": "evil.module.func"})
+    assert refused.status_code == 400
+    assert "'evil.module.func' is not a registered custom weight loader" in (
+        refused.json()["message"])
+    assert _post(server, "/update_weights_from_tensor",
+                 {"serialized_named_tensors": [payload]}).status_code == 200
+    assert torch.equal(_weight(server, Q_PROJ), original)
 
 
 def test_stop_regex_stops_with_the_pattern_as_matched(server: ServerProcess) -> None:

@@ -121,11 +121,10 @@ def test_upstream_kwargs_ignored_with_one_warning(caplog: pytest.LogCaptureFixtu
             "custom_weight_loader": ["pkg.loader"], "dp_size": 1, "quantization": None,
             "json_model_override_args": "{}", "attention_backend": "fa3",
         })
-    assert ours == {"model_path": "m"}
+    assert ours == {"model_path": "m", "custom_weight_loader": ["pkg.loader"]}  # ours now
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
-    for name in ("mm_attention_backend", "enable_memory_saver", "custom_weight_loader",
-                 "attention_backend"):
+    for name in ("mm_attention_backend", "enable_memory_saver", "attention_backend"):
         assert name in warnings[0]
     assert "dp_size" not in warnings[0]  # upstream's default: nothing to say
 

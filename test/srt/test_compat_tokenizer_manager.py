@@ -4,6 +4,7 @@ with upstream's signatures (SkyRL, verl): the calls work there and do what they 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -22,10 +23,15 @@ from sglang.srt.managers.tokenizer_manager import (
     UpdateWeightsFromTensorReqInput,
 )
 from sglang.srt.utils import MultiprocessingSerializer
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 PROMPT = [5, 6, 7, 8]
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+K_PROJ = "model.layers.0.self_attn.k_proj.weight"
+# Custom loaders of test/srt/compat_weight_loaders.py (the spawned scheduler imports them).
+DOUBLED = "compat_weight_loaders.load_doubled"
+FAILING = "compat_weight_loaders.load_failing"
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +39,7 @@ def engine(tiny_model_dir: Callable[..., Path]) -> Iterator[sgl.Engine]:
     # SkyRL's and verl's keywords that do not apply on this build are accepted.
     with sgl.Engine(
         model_path=str(tiny_model_dir("llama")), random_seed=0, mm_attention_backend="fa3",
-        enable_memory_saver=True, custom_weight_loader=["skyrl.loader"], base_gpu_id=0,
+        enable_memory_saver=True, custom_weight_loader=[DOUBLED, FAILING], base_gpu_id=0,
         dp_size=1, json_model_override_args="{}",
     ) as eng:
         yield eng
@@ -147,3 +153,84 @@ def test_abort_request_from_another_thread(engine: sgl.Engine) -> None:
     out = asyncio.run(run())
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert out["meta_info"]["completion_tokens"] < budget
+
+
+def _weight(engine: sgl.Engine, name: str) -> torch.Tensor:
+    return torch.tensor(engine.get_weights_by_name(name, truncate_size=10**6))
+
+
+def test_custom_weight_loader(engine: sgl.Engine) -> None:
+    original = _weight(engine, Q_PROJ)
+    new = torch.randn_like(original)
+    success, message = engine.update_weights_from_tensor([(Q_PROJ, new)], load_format=DOUBLED)
+    assert success, message
+    assert torch.equal(_weight(engine, Q_PROJ), new * 2)  # the loader's own logic ran
+    # SkyRL's shape: a serialized payload through tokenizer_manager, load_format = the loader.
+    obj = UpdateWeightsFromTensorReqInput(
+        serialized_named_tensors=[MultiprocessingSerializer.serialize([(Q_PROJ, original)])],
+        load_format=DOUBLED, flush_cache=False,
+    )
+    success, message = asyncio.run(engine.tokenizer_manager.update_weights_from_tensor(obj, None))
+    assert success, message
+    assert torch.equal(_weight(engine, Q_PROJ), original * 2)
+    # A loader that is not listed is refused by name and changes nothing.
+    success, message = engine.update_weights_from_tensor(
+        [(Q_PROJ, new)], load_format="compat_weight_loaders.not_listed")
+    assert not success
+    assert "'compat_weight_loaders.not_listed' is not a registered custom weight loader" in message
+    assert torch.equal(_weight(engine, Q_PROJ), original * 2)
+    success, message = engine.update_weights_from_tensor([(Q_PROJ, new)], load_format=FAILING)
+    assert not success and "this loader always fails" in message
+    assert engine.update_weights_from_tensor([(Q_PROJ, original)])[0]
+    assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
+
+
+def test_flattened_bucket_updates(engine: sgl.Engine) -> None:
+    originals = [(Q_PROJ, _weight(engine, Q_PROJ)), (K_PROJ, _weight(engine, K_PROJ))]
+    news = [(name, torch.randn_like(w)) for name, w in originals]
+    bucket = FlattenedTensorBucket(named_tensors=news)
+    data = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+    # The bucket itself, in-process.
+    success, message = engine.update_weights_from_tensor(data, load_format="flattened_bucket")
+    assert success, message
+    for name, tensor in news:
+        assert torch.equal(_weight(engine, name), tensor)
+    # Upstream's Engine form: one serialized bucket per tensor-parallel rank.
+    serialized = MultiprocessingSerializer.serialize(
+        {"flattened_tensor": FlattenedTensorBucket(named_tensors=originals).flattened_tensor,
+         "metadata": FlattenedTensorBucket(named_tensors=originals).metadata})
+    success, message = engine.update_weights_from_tensor(
+        [serialized], load_format="flattened_bucket", flush_cache=False)
+    assert success, message
+    for name, tensor in originals:
+        assert torch.equal(_weight(engine, name), tensor)
+    # slime's form, through tokenizer_manager with a weight version.
+    obj = UpdateWeightsFromTensorReqInput(
+        serialized_named_tensors=[MultiprocessingSerializer.serialize(data, output_str=True)],
+        load_format="flattened_bucket", weight_version="bucket-1",
+    )
+    success, message = asyncio.run(engine.tokenizer_manager.update_weights_from_tensor(obj, None))
+    assert success, message
+    assert engine.get_model_info()["weight_version"] == "bucket-1"
+    with pytest.raises(ValueError, match="load_format='flattened_bucket'"):
+        engine.update_weights_from_tensor(data)  # a bucket without its load_format
+    # Metadata that does not fit is refused with the reason; nothing changes.
+    bad = [dataclasses.replace(m) for m in bucket.get_metadata()]
+    bad[1].numel += 4
+    with pytest.raises(ValueError, match=r"metadata\[1\].*end_idx - start_idx"):
+        engine.update_weights_from_tensor(
+            {"flattened_tensor": data["flattened_tensor"], "metadata": bad},
+            load_format="flattened_bucket")
+    bad_payload = MultiprocessingSerializer.serialize(
+        {"flattened_tensor": data["flattened_tensor"], "metadata": bad})
+    success, message = engine.update_weights_from_tensor(
+        [bad_payload], load_format="flattened_bucket")
+    assert not success and "numel" in message
+    unknown = FlattenedTensorBucket(named_tensors=[("model.no_such.weight", torch.zeros(2))])
+    success, message = engine.update_weights_from_tensor(
+        {"flattened_tensor": unknown.flattened_tensor, "metadata": unknown.metadata},
+        load_format="flattened_bucket")
+    assert not success and "no_such" in message
+    for name, tensor in news:
+        assert torch.equal(_weight(engine, name), tensor)
+    assert engine.update_weights_from_tensor(originals)[0]

@@ -165,7 +165,7 @@ def test_tensor_validation_and_direct_loads(live) -> None:
         with pytest.raises(wu.WeightUpdateError, match=message):
             wu.validate_tensors(meta, bad, None)
     with pytest.raises(wu.WeightUpdateError, match="load_format"):
-        wu.validate_tensors(meta, [good], "flattened_bucket")
+        wu.validate_tensors(meta, [good], "gguf")
     fused = "model.layers.0.self_attn.qkv_proj.weight"
     with pytest.raises(wu.WeightUpdateError, match="no parameter named"):
         wu.validate_tensors(meta, [(q, good[1])], "direct")

@@ -164,6 +164,12 @@ class ServerArgs:
         None, "Seed of the engine; requests without sampling_seed derive theirs from it."
     )
     tp_size: int = _arg(1, "Tensor-parallel size (only 1 is supported for now).")
+    custom_weight_loader: list[str] | None = _arg(
+        None,
+        "Import paths ('pkg.module.func') of functions that update_weights_from_tensor may "
+        "name as its load_format; each is called as func(model, named_tensors) "
+        "(docs/weights.md).",
+    )
 
     # OpenAI chat parsing (docs/openai_api.md)
     reasoning_parser: str | None = _arg(
@@ -240,6 +246,8 @@ class ServerArgs:
             self.sampling_backend = "triton" if self.device == "cuda" else "pytorch"
         if self.chunked_prefill_size is None:
             self.chunked_prefill_size = 8192
+        if self.custom_weight_loader is None:
+            self.custom_weight_loader = []
         self._check()
 
     def _check(self) -> None:
@@ -311,10 +319,25 @@ class ServerArgs:
         for flag, parser_name, choices in parsers:
             if parser_name is not None and parser_name not in choices:
                 raise ValueError(f"{flag} must be one of {choices}, got {parser_name!r}")
+        self._check_custom_weight_loader()
         for name in ("max_request_batch_size", "max_prompt_bytes", "max_top_logprobs_num",
                      "max_stop_strings", "max_stop_str_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+    def _check_custom_weight_loader(self) -> None:
+        loaders = self.custom_weight_loader
+        if isinstance(loaders, str) or not isinstance(loaders, (list, tuple)):
+            raise ValueError(
+                f"--custom-weight-loader must be a list of import paths, got {loaders!r}"
+            )
+        for path in loaders:
+            parts = path.split(".") if isinstance(path, str) else []
+            if len(parts) < 2 or not all(p.isidentifier() for p in parts):
+                raise ValueError(
+                    f"--custom-weight-loader: {path!r} is not an import path 'pkg.module.func'"
+                )
+        self.custom_weight_loader = list(loaders)
 
     # ---- CLI generated from the fields -------------------------------------------------------
     @staticmethod
@@ -327,6 +350,8 @@ class ServerArgs:
             kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata["help"]}
             if kind is bool:
                 kwargs["action"] = "store_true"
+            elif get_origin(kind) is list:
+                kwargs.update(type=get_args(kind)[0], nargs="*", default=f.default)
             else:
                 kwargs["type"] = kind
                 kwargs["default"] = f.default

@@ -324,7 +324,6 @@ UPSTREAM_ONLY_FIELDS: dict[str, tuple[str, Any]] = {
     "encoder_transfer_backend": ("str", "zmq_to_scheduler"),
     "encoder_urls": ("list", []),
     "enable_adaptive_dispatch_to_encoder": ("bool", False),
-    "custom_weight_loader": ("list", None),
     "weight_loader_disable_mmap": ("bool", False),
     "remote_instance_weight_loader_seed_instance_ip": ("str", None),
     "remote_instance_weight_loader_seed_instance_service_port": ("int", None),
@@ -353,7 +352,7 @@ UPSTREAM_ONLY_FIELDS: dict[str, tuple[str, Any]] = {
 # logging and metrics, or multi-node placement that a single-node run does not use.
 NOT_APPLICABLE: frozenset[str] = frozenset({
     "base_gpu_id", "gpu_id_step", "nccl_port", "dist_init_addr", "dist_timeout",
-    "enable_memory_saver", "enable_weights_cpu_backup", "custom_weight_loader",
+    "enable_memory_saver", "enable_weights_cpu_backup",
     "mm_attention_backend", "enable_multimodal", "keep_mm_feature_on_device",
     "enable_broadcast_mm_inputs_process", "enable_prefix_mm_cache", "mm_enable_dp_encoder",
     "enable_mm_global_cache", "limit_mm_data_per_request", "mm_process_config",

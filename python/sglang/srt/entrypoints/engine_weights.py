@@ -15,6 +15,7 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightVersionReqInput,
 )
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
+from sglang.srt.weight_sync.tensor_bucket import bucket_to_named_tensors
 
 
 async def update_from_disk(
@@ -25,15 +26,34 @@ async def update_from_disk(
 
 
 def tensor_request(
-    named_tensors: list[tuple[str, Any]] | dict[str, Any],
+    named_tensors: Any,
     load_format: str | None,
     flush_cache: bool,
     weight_version: str | None,
     abort_all_requests: bool,
 ) -> UpdateWeightsFromTensorReqInput:
     """The request for ``update_weights_from_tensor``. Views into a larger storage (a slice of
-    a flat bucket, say) are copied first: pickling a view would ship its whole storage."""
+    a flat bucket, say) are copied first: pickling a view would ship its whole storage.
+
+    With ``load_format="flattened_bucket"``, ``named_tensors`` is, as upstream's Engine takes
+    it, the list of serialized bucket payloads (one per tensor-parallel rank), or the bucket
+    itself (``{"flattened_tensor", "metadata"}`` or a ``FlattenedTensorBucket``). ValueError
+    for a bucket whose metadata does not fit."""
+    if load_format == "flattened_bucket":
+        if isinstance(named_tensors, list) and all(
+            isinstance(p, (str, bytes)) for p in named_tensors
+        ):
+            return UpdateWeightsFromTensorReqInput(
+                [], load_format, flush_cache, abort_all_requests, weight_version,
+                serialized_named_tensors=list(named_tensors),
+            )
+        return UpdateWeightsFromTensorReqInput(
+            bucket_to_named_tensors(named_tensors), load_format, flush_cache,
+            abort_all_requests, weight_version,
+        )
     if isinstance(named_tensors, dict):
+        if "flattened_tensor" in named_tensors:
+            raise ValueError("a flattened bucket needs load_format='flattened_bucket'")
         named_tensors = list(named_tensors.items())
     items = [(name, _own_storage(tensor)) for name, tensor in named_tensors]
     return UpdateWeightsFromTensorReqInput(

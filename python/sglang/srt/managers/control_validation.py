@@ -45,6 +45,9 @@ MAX_MODE_LEN = 32
 # Longest pause lease: one week.
 MAX_PAUSE_TIMEOUT_S = 7 * 24 * 3600.0
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy", "direct")
+# Tensor updates: HF names (None/"auto"), parameter names ("direct"), a flattened bucket, or
+# the import path of a custom loader listed by --custom-weight-loader (the scheduler checks).
+TENSOR_LOAD_FORMATS = (None, "auto", "direct", "flattened_bucket")
 MEMORY_TAGS_MAX = 8
 NOT_LOADABLE = "is not a loadable checkpoint (a directory with config.json, or a .gguf file)"
 
@@ -95,7 +98,15 @@ def _check_disk_update(req: UpdateWeightFromDiskReqInput) -> None:
 
 
 def _check_tensor_update(req: UpdateWeightsFromTensorReqInput) -> None:
-    _check_load_format(req.load_format)
+    if req.load_format not in TENSOR_LOAD_FORMATS:
+        check_str("load_format", req.load_format, MAX_NAME_LEN, min_len=1)
+        if "." not in req.load_format:
+            raise InvalidRequestError(
+                "load_format",
+                f"{req.load_format!r} is not a tensor load format: use None, "
+                "'direct', 'flattened_bucket' or a custom loader listed by "
+                "--custom-weight-loader ('pkg.module.func')",
+            )
     _check_optional_label("weight_version", req.weight_version)
     check_bool("flush_cache", req.flush_cache)
     check_bool("abort_all_requests", req.abort_all_requests)

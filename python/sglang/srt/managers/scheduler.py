@@ -132,7 +132,14 @@ class Scheduler:
         self.memory = MemoryOccupation(
             runner, hooks, restore_weights=lambda: self.weights.restore_after_resume()
         )
-        self.weights = WeightUpdater(runner, model_config, weight_state, self.memory, hooks)
+        self.weights = WeightUpdater(
+            runner,
+            model_config,
+            weight_state,
+            self.memory,
+            hooks,
+            custom_weight_loader=server_args.custom_weight_loader,
+        )
         self.dispatch = TypeBasedDispatcher(
             [
                 (TokenizedGenerateReqInput, self.handle_generate_request),

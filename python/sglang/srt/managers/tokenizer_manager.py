@@ -429,7 +429,9 @@ class TokenizerManager:
         without reaching the scheduler. The reply unpacks as upstream's ``(success, message)``."""
         if obj.serialized_named_tensors is not None:
             try:
-                named = decode_named_tensors(obj.serialized_named_tensors)
+                named = decode_named_tensors(
+                    obj.serialized_named_tensors, load_format=obj.load_format
+                )
             except ValueError as e:
                 return UpdateWeightsFromTensorReqOutput(False, str(e), req_id=obj.req_id)
             obj = dataclasses.replace(obj, named_tensors=named, serialized_named_tensors=None)

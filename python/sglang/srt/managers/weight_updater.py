@@ -69,6 +69,7 @@ class WeightUpdater:
         state: WeightState,
         memory: MemoryOccupation,
         hooks: SchedulerHooks,
+        custom_weight_loader: list[str] | None = None,
     ) -> None:
         self.runner = runner
         self.model_config = model_config
@@ -79,6 +80,8 @@ class WeightUpdater:
             None if model_config.load_format == "dummy" else model_config
         )
         self._meta_model: nn.Module | None = None
+        # Import paths a tensor update may name as its load_format (--custom-weight-loader).
+        self.custom_weight_loader = list(custom_weight_loader or [])
 
     @property
     def version(self) -> str:
@@ -118,9 +121,12 @@ class WeightUpdater:
     def update_from_tensor(
         self, recv: UpdateWeightsFromTensorReqInput
     ) -> UpdateWeightsFromTensorReqOutput:
-        """Validate every tensor first, then copy them all in."""
+        """Validate every tensor first, then copy them all in. A custom loader
+        (``load_format`` listed by --custom-weight-loader) is called instead."""
         if self._released():
             return UpdateWeightsFromTensorReqOutput(False, _RELEASED, req_id=recv.req_id)
+        if recv.load_format not in wu.TENSOR_LOAD_FORMATS:
+            return self._update_with_custom_loader(recv)
         try:
             wu.validate_tensors(self.meta_model(), recv.named_tensors, recv.load_format)
         except Exception as e:  # whatever the caller sent, a refusal changes nothing
@@ -133,6 +139,34 @@ class WeightUpdater:
         except Exception as e:  # not expected after validation; the copy may be partial
             logger.exception("Tensor weight update failed after validation")
             ok, message = False, f"Failed to copy the tensors: {e}; the model may be partial"
+        self.source = None
+        self._commit(recv.weight_version if ok else None, recv.flush_cache)
+        return UpdateWeightsFromTensorReqOutput(
+            ok, message, self.hooks.num_alive(), req_id=recv.req_id
+        )
+
+    def _update_with_custom_loader(
+        self, recv: UpdateWeightsFromTensorReqInput
+    ) -> UpdateWeightsFromTensorReqOutput:
+        """Upstream's ``custom_loader(model, named_tensors)``. Only a loader that is not listed
+        or does not import is refused unchanged; the loader itself is not dry-run, so one that
+        raises may have changed part of the model."""
+        assert recv.load_format is not None
+        try:
+            loader = wu.resolve_custom_loader(recv.load_format, self.custom_weight_loader)
+        except wu.WeightUpdateError as e:
+            logger.warning("Refused tensor weight update: %s", e)
+            return UpdateWeightsFromTensorReqOutput(False, str(e), req_id=recv.req_id)
+        self._abort_all(recv.abort_all_requests)
+        try:
+            wu.load_with_custom_loader(self.model, loader, recv.named_tensors)
+            ok, message = True, f"Succeeded to update the weights with {recv.load_format}."
+        except Exception as e:
+            logger.exception("Custom weight loader %s failed", recv.load_format)
+            ok = False
+            message = (
+                f"Custom weight loader {recv.load_format} failed: {e}; the model may be partial"
+            )
         self.source = None
         self._commit(recv.weight_version if ok else None, recv.flush_cache)
         return UpdateWeightsFromTensorReqOutput(

@@ -15,8 +15,9 @@ twice); other formats (.bin, GGUF) are streamed once for shapes, then again to l
 
 from __future__ import annotations
 
+import importlib
 import logging
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -54,7 +55,9 @@ _SHAPE_ATTRS = (
     "head_dim",
     "num_hidden_layers",
 )
-TENSOR_LOAD_FORMATS = (None, "auto", "direct")
+# "flattened_bucket": the tensors were rebuilt from upstream's flat bucket (utils/
+# multiprocessing_serializer, weight_sync/tensor_bucket) and load by HF names like None.
+TENSOR_LOAD_FORMATS = (None, "auto", "direct", "flattened_bucket")
 
 
 class WeightUpdateError(ValueError):
@@ -131,7 +134,8 @@ def validate_tensors(
     WeightUpdateError for an unknown load_format, name, or a shape mismatch."""
     if load_format not in TENSOR_LOAD_FORMATS:
         raise WeightUpdateError(
-            f"unsupported load_format {load_format!r} for tensors; use None or 'direct'"
+            f"unsupported load_format {load_format!r} for tensors; use None, 'direct', "
+            "'flattened_bucket' or a custom loader listed by --custom-weight-loader"
         )
     if not isinstance(named_tensors, (list, tuple)) or not named_tensors:
         raise WeightUpdateError("named_tensors must be a non-empty list of (name, tensor)")
@@ -147,6 +151,64 @@ def validate_tensors(
         raise
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise WeightUpdateError(f"refused tensor update: {e}") from e
+
+
+def resolve_custom_loader(
+    load_format: str, allowed: Iterable[str]
+) -> Callable[[nn.Module, list[tuple[str, torch.Tensor]]], Any]:
+    """The function named by ``load_format`` ("pkg.module.func"), which must be one of
+    ``allowed`` (the server's ``--custom-weight-loader`` list), as upstream's
+    ``dynamic_import``. WeightUpdateError when it is not listed, does not import or is not
+    callable."""
+    allowed = list(allowed)
+    if load_format not in allowed:
+        listed = ", ".join(repr(a) for a in allowed) or "none"
+        raise WeightUpdateError(
+            f"load_format {load_format!r} is not a registered custom weight loader "
+            f"(--custom-weight-loader lists: {listed})"
+        )
+    module_name, _, attr = load_format.rpartition(".")
+    try:
+        func = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise WeightUpdateError(f"cannot import custom weight loader {load_format!r}: {e}") from e
+    if not callable(func):
+        raise WeightUpdateError(f"custom weight loader {load_format!r} is not callable")
+    return func
+
+
+def load_with_custom_loader(
+    model: nn.Module,
+    loader: Callable[[nn.Module, list[tuple[str, torch.Tensor]]], Any],
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+) -> None:
+    """Call ``loader(model, named_tensors)`` as upstream does (the tensors on the model's
+    device), then let modules refresh what they derive from their weights. Nothing can be
+    validated beforehand: the loader decides what the tensors mean.
+
+    Upstream's ``model.load_weights(named_tensors)`` loads any subset, which loaders rely on
+    (SkyRL's loads the tensors of one IPC request); ours is strict by default, so during the
+    call ``model.load_weights`` defaults to ``strict=False``."""
+    device = next(model.parameters()).device
+    moved = [
+        (name, t.to(device) if isinstance(t, torch.Tensor) else t) for name, t in named_tensors
+    ]
+    loadable = as_weight_loadable(model)
+    strict_load = loadable.load_weights
+
+    def load_weights(
+        weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = False
+    ) -> None:
+        strict_load(weights, strict=strict)
+
+    # An instance attribute shadows the method for the duration of the call only.
+    model.__dict__["load_weights"] = load_weights
+    try:
+        with torch.no_grad():
+            loader(model, moved)
+    finally:
+        del model.__dict__["load_weights"]
+    _after_loading(model)
 
 
 def load_checkpoint(model: nn.Module, model_config: ModelConfig) -> None:

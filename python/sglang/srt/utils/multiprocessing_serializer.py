@@ -36,6 +36,8 @@ _ALLOWED: dict[str, frozenset[str]] = {
     }),
     "torch._utils": frozenset({"_rebuild_tensor", "_rebuild_tensor_v2"}),
     __name__: frozenset({"_rebuild_cpu_tensor"}),
+    # The metadata entries of a load_format="flattened_bucket" payload (a plain dataclass).
+    "sglang.srt.weight_sync.tensor_bucket": frozenset({"FlattenedTensorMetadata"}),
 }
 
 
@@ -111,10 +113,14 @@ class MultiprocessingSerializer:
             raise pickle.UnpicklingError(f"broken payload: {e}") from None
 
 
-def decode_named_tensors(serialized: list[str | bytes], tp_rank: int = 0) -> list[tuple[str, Any]]:
+def decode_named_tensors(
+    serialized: list[str | bytes], tp_rank: int = 0, load_format: str | None = None
+) -> list[tuple[str, Any]]:
     """The ``(name, tensor)`` list in entry ``tp_rank`` of upstream's
-    ``serialized_named_tensors`` (one entry per tensor-parallel rank). ValueError when the
-    entry is missing or is not a list of (str, tensor) pairs."""
+    ``serialized_named_tensors`` (one entry per tensor-parallel rank). With
+    ``load_format="flattened_bucket"`` the entry is a flattened bucket (``{"flattened_tensor",
+    "metadata"}``, see ``sglang.srt.weight_sync.tensor_bucket``) and its tensors are rebuilt.
+    ValueError when the entry is missing, does not decode, or holds something else."""
     import torch
 
     if not isinstance(serialized, list) or len(serialized) <= tp_rank:
@@ -125,6 +131,18 @@ def decode_named_tensors(serialized: list[str | bytes], tp_rank: int = 0) -> lis
         named = MultiprocessingSerializer.deserialize(serialized[tp_rank])
     except (pickle.UnpicklingError, ValueError) as e:
         raise ValueError(f"serialized_named_tensors[{tp_rank}]: {e}") from None
+    if load_format == "flattened_bucket":
+        from sglang.srt.weight_sync.tensor_bucket import bucket_to_named_tensors
+
+        try:
+            return bucket_to_named_tensors(named)
+        except ValueError as e:
+            raise ValueError(f"serialized_named_tensors[{tp_rank}]: {e}") from None
+    if isinstance(named, dict) and "flattened_tensor" in named:
+        raise ValueError(
+            f"serialized_named_tensors[{tp_rank}] is a flattened bucket: send it with "
+            "load_format='flattened_bucket'"
+        )
     if isinstance(named, dict):
         named = list(named.items())
     ok = isinstance(named, list) and all(
@@ -136,4 +154,3 @@ def decode_named_tensors(serialized: list[str | bytes], tp_rank: int = 0) -> lis
             f"serialized_named_tensors[{tp_rank}] must hold a list of (name, tensor) pairs"
         )
     return [(name, tensor) for name, tensor in named]
-

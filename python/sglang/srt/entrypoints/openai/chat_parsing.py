@@ -1,5 +1,10 @@
 """One chat choice's output split into reasoning, content and tool calls, whole or chunk by
-chunk: the reasoning parser runs first, the tool-call parser on what remains (the answer)."""
+chunk: the reasoning parser runs first, the tool-call parser on what remains (the answer).
+
+Streamed tool calls arrive as upstream's (and OpenAI's) deltas: a call's first delta has its
+``id``, ``type`` and ``function.name`` (``arguments`` empty, or the first fragment), later ones
+only ``index`` and an ``arguments`` fragment; the fragments concatenate to the arguments the
+whole (non-streamed) response has."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang.srt.entrypoints.openai.protocol import FunctionResponse, ToolCall
-from sglang.srt.function_call.function_call_parser import FunctionCallParser
+from sglang.srt.function_call.function_call_parser import FunctionCallParser, ToolCallItem
 from sglang.srt.parser.reasoning_parser import ReasoningParser
 
 
@@ -41,10 +46,45 @@ class ChatOutputParser:
         calls: list[ToolCall] = []
         if self.tools is not None:
             answer, items = self.tools.parse_stream_chunk(answer, final)
+            calls = self._deltas(items)
+        return ParsedDelta(answer, reasoning, calls)
+
+    def parse_whole(self, text: str) -> ParsedDelta:
+        """A whole output: each tool call complete, in one ``ToolCall``."""
+        reasoning, answer = "", text
+        if self.reasoning is not None:
+            reasoning, answer = self.reasoning.parse_stream_chunk(text, True)
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            answer, items = self.tools.parse_non_stream(answer)
             for item in items:
                 calls.append(ToolCall(
-                    id=f"call_{uuid.uuid4().hex[:24]}", index=self.num_tool_calls,
+                    id=_new_call_id(), index=self.num_tool_calls,
                     function=FunctionResponse(name=item.name, arguments=item.parameters),
                 ))
                 self.num_tool_calls += 1
         return ParsedDelta(answer, reasoning, calls)
+
+    def _deltas(self, items: list[ToolCallItem]) -> list[ToolCall]:
+        """The deltas of ``items``: a call's first (id, type, name, empty arguments), then its
+        argument fragments of this piece joined into one."""
+        calls: list[ToolCall] = []
+        for item in items:
+            if item.name is not None:
+                calls.append(ToolCall(
+                    id=_new_call_id(), index=item.tool_index,
+                    function=FunctionResponse(name=item.name, arguments=item.parameters),
+                ))
+                self.num_tool_calls += 1
+            elif calls and calls[-1].index == item.tool_index and calls[-1].id is None:
+                function = calls[-1].function
+                function.arguments = (function.arguments or "") + item.parameters
+            else:
+                calls.append(ToolCall(
+                    index=item.tool_index, function=FunctionResponse(arguments=item.parameters)
+                ))
+        return calls
+
+
+def _new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"

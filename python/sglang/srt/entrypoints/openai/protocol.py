@@ -292,9 +292,10 @@ class FunctionResponse(BaseModel):
 
 
 class ToolCall(BaseModel):
-    """A call parsed by --tool-call-parser (``index`` orders the calls of a choice)."""
+    """A call parsed by --tool-call-parser (``index`` orders the calls of a choice). Streamed,
+    only a call's first delta has ``id`` and ``function.name``; later ones add arguments."""
 
-    id: str
+    id: str | None = None
     index: int | None = None
     type: Literal["function"] = "function"
     function: FunctionResponse

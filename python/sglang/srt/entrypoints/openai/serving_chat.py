@@ -157,7 +157,7 @@ class OpenAIServingChat(OpenAIServingBase):
         for i, out in enumerate(outputs):
             meta = out["meta_info"]
             finish_reason, matched = map_finish_reason(meta)
-            parsed = self._output_parser(req).feed(out.get("text", ""), final=True)
+            parsed = self._output_parser(req).parse_whole(out.get("text", ""))
             if parsed.tool_calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
             choices.append(ChatCompletionChoice(
@@ -199,16 +199,21 @@ class OpenAIServingChat(OpenAIServingBase):
                     index=i, delta=DeltaMessage(role="assistant", content="")))
             logprobs = self._logprobs(delta.meta_info, delta.token_start) if req.logprobs else None
             parsed = parsers[i].feed(delta.text, final=delta.finish_reason is not None)
+            # One tool-call delta per chunk, as upstream: a call's name, then its arguments.
+            first_calls, more_calls = parsed.tool_calls[:1], parsed.tool_calls[1:]
             if parsed or (logprobs and logprobs.content):
                 yield chunk(ChatCompletionStreamChoice(
                     index=i, delta=DeltaMessage(
                         content=parsed.content or None if parsed.reasoning else parsed.content,
                         reasoning_content=parsed.reasoning or None,
-                        tool_calls=parsed.tool_calls or None,
+                        tool_calls=first_calls or None,
                     ), logprobs=logprobs,
                     output_token_entropy=self.entropy_slice(
                         delta.meta_info, delta.token_start, req.return_entropy),
                 ))
+            for call in more_calls:
+                yield chunk(ChatCompletionStreamChoice(
+                    index=i, delta=DeltaMessage(tool_calls=[call])))
             if delta.finish_reason is not None:
                 finish_reason = delta.finish_reason
                 if parsers[i].num_tool_calls and finish_reason == "stop":

@@ -385,6 +385,10 @@ def test_detokenizer_fails_only_the_poisoned_request() -> None:
     assert out.finished_reasons[1]["type"] == "abort"
     assert "cannot decode 13" in out.finished_reasons[1]["message"]
     assert out.output_token_entropy_val == [[0.5], [0.5], [0.5]]
+    # The scheduler still runs "bad": it is aborted there (once), freeing its KV at once.
+    aborts = detok.take_aborts()
+    assert [(a.rid, a.abort_all, a.match_prefix) for a in aborts] == [("bad", False, False)]
+    assert detok.take_aborts() == []
     # The others go on exactly where they were (no id decoded twice); the failed rid's later
     # ids are dropped until the scheduler's final message for it.
     out = detok.handle_batch_token_id_output(_token_msg(["a", "bad", "c"], [[2], [5], [4]],
@@ -394,3 +398,8 @@ def test_detokenizer_fails_only_the_poisoned_request() -> None:
         _token_msg(["bad", "a"], [[6], [7]], [{"type": "length", "length": 3}, None]))
     assert out.rids == ["a"] and out.output_strs == ["<7>"] and not detok.failed_rids
     assert detok.states["a"].ids == [1, 2, 7]
+    # A failure on a rid's final message: nothing left to abort or to wait for.
+    out = detok.handle_batch_token_id_output(
+        _token_msg(["a", "z"], [[8], [13]], [None, {"type": "length", "length": 1}]))
+    assert out.rids == ["a", "z"] and out.finished_reasons[1]["type"] == "abort"
+    assert detok.take_aborts() == [] and not detok.failed_rids

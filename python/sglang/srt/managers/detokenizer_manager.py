@@ -31,7 +31,12 @@ from typing import Any
 
 import zmq
 
-from sglang.srt.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, SchedulerReply
+from sglang.srt.managers.io_struct import (
+    AbortReq,
+    BatchStrOutput,
+    BatchTokenIDOutput,
+    SchedulerReply,
+)
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils import (
     TypeBasedDispatcher,
@@ -44,6 +49,8 @@ from sglang.srt.utils import (
 logger = logging.getLogger(__name__)
 
 _REPLACEMENT_CHAR = "\ufffd"
+# The message of a request finished because its output could not be decoded.
+DETOKENIZATION_FAILED = "detokenization failed"
 
 # BatchStrOutput fields copied unchanged from BatchTokenIDOutput.
 _PASSTHROUGH_FIELDS = (
@@ -90,13 +97,17 @@ class DetokenizerManager:
         # Rids whose decoding failed: finished for their caller, their later ids are dropped
         # until the scheduler's final message for them.
         self.failed_rids: set[str] = set()
+        # Failed rids the scheduler still runs: the event loop sends an AbortReq for each, so
+        # the scheduler frees their KV now instead of decoding them to their end.
+        self.rids_to_abort: list[str] = []
 
     def handle_batch_token_id_output(self, msg: BatchTokenIDOutput) -> BatchStrOutput:
         """Decode the new ids of every rid of ``msg``; drops the state of finished rids.
 
         Fault isolation: when decoding the batch raises, each rid is decoded alone; a rid that
         still fails is finished with ``{"type": "abort", "message": ...}`` and the others are
-        served. Raises only when even that is impossible (a malformed message).
+        served; a failed rid the scheduler still runs is queued in :attr:`rids_to_abort`.
+        Raises only when even that is impossible (a malformed message).
         """
         saved = {rid: dataclasses.replace(self.states[rid], ids=list(self.states[rid].ids))
                  for rid in msg.rids if rid in self.states}
@@ -119,10 +130,12 @@ class DetokenizerManager:
             rid = msg.rids[i]
             logger.exception("Decoding the output of %s failed; finishing it", rid)
             self.states.pop(rid, None)
-            self.failed_rids.add(rid)
+            if msg.finished_reasons[i] is None:  # the scheduler still runs it: abort it there
+                self.failed_rids.add(rid)
+                self.rids_to_abort.append(rid)
             out = self._passthrough(one, [""])
             out.finished_reasons = [
-                {"type": "abort", "message": f"detokenization failed: {type(e).__name__}: {e}"}
+                {"type": "abort", "message": f"{DETOKENIZATION_FAILED}: {type(e).__name__}: {e}"}
             ]
             return out
 
@@ -199,8 +212,24 @@ class DetokenizerManager:
         scheduler sent before it (this process handles messages in order)."""
         return msg.payload
 
-    def event_loop(self, recv_socket: zmq.Socket, send_socket: zmq.Socket) -> None:
-        """Receive, decode and forward messages forever (until the process is killed)."""
+    def take_aborts(self) -> list[AbortReq]:
+        """One AbortReq per rid queued in :attr:`rids_to_abort` (the queue is emptied).
+
+        The scheduler finishes such a rid at once, freeing its KV; its final message ends the
+        rid's failure here and is not forwarded, so the caller sees one terminal output only.
+        The scheduler's reply reaches the TokenizerManager, which has no call waiting on it.
+        """
+        rids, self.rids_to_abort = self.rids_to_abort, []
+        return [AbortReq(rid=rid, aborted_message=DETOKENIZATION_FAILED) for rid in rids]
+
+    def event_loop(
+        self,
+        recv_socket: zmq.Socket,
+        send_socket: zmq.Socket,
+        scheduler_socket: zmq.Socket | None = None,
+    ) -> None:
+        """Receive, decode and forward messages forever (until the process is killed).
+        ``scheduler_socket`` (to the scheduler's input) carries the aborts of failed rids."""
         dispatcher = TypeBasedDispatcher(
             [
                 (BatchTokenIDOutput, self.handle_batch_token_id_output),
@@ -212,9 +241,12 @@ class DetokenizerManager:
                 out = dispatcher(loads(recv_socket.recv()))
             except Exception:  # a malformed message: nothing to send for it, keep serving
                 logger.exception("Dropped a message the detokenizer cannot handle")
-                continue
-            if not isinstance(out, BatchStrOutput) or out.rids:  # a batch may end up empty
-                send_socket.send(dumps(out))
+                out = None
+            if out is not None and (not isinstance(out, BatchStrOutput) or out.rids):
+                send_socket.send(dumps(out))  # (a batch may end up empty)
+            for abort in self.take_aborts():
+                if scheduler_socket is not None:
+                    scheduler_socket.send(dumps(abort))
 
 
 def _select(msg: Any, i: int) -> Any:
@@ -317,11 +349,12 @@ def run_detokenizer_process(
     """Entry point of the detokenizer subprocess; runs until killed.
 
     PULL binds ``port_args.detokenizer_ipc_name`` (from the scheduler) and PUSH connects to
-    ``port_args.tokenizer_ipc_name`` (the TokenizerManager). Once the tokenizer is loaded it
-    sends ``{"status": "ready"}`` through ``pipe_writer``; a failure before that is sent as
-    ``{"status": "error", "message": ...}`` so that the launcher reports the cause itself. A
-    later exception is logged and ends the process with a non-zero code, which the
-    TokenizerManager's liveness check reports.
+    ``port_args.tokenizer_ipc_name`` (the TokenizerManager); a second PUSH to
+    ``port_args.scheduler_input_ipc_name`` aborts the requests whose decoding failed. Once
+    the tokenizer is loaded it sends ``{"status": "ready"}`` through ``pipe_writer``; a
+    failure before that is sent as ``{"status": "error", "message": ...}`` so that the
+    launcher reports the cause itself. A later exception is logged and ends the process with
+    a non-zero code, which the TokenizerManager's liveness check reports.
     """
     configure_logger(server_args.log_level, prefix=" Detokenizer")
     exit_when_parent_dies()
@@ -335,6 +368,9 @@ def run_detokenizer_process(
         send_socket = get_zmq_socket(
             context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False
         )
+        scheduler_socket = get_zmq_socket(
+            context, zmq.PUSH, port_args.scheduler_input_ipc_name, bind=False
+        )
         tokenizer = None
         if not server_args.skip_tokenizer_init:
             tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path,
@@ -346,7 +382,7 @@ def run_detokenizer_process(
     pipe_writer.send({"status": "ready"})
     pipe_writer.close()
     try:
-        DetokenizerManager(tokenizer).event_loop(recv_socket, send_socket)
+        DetokenizerManager(tokenizer).event_loop(recv_socket, send_socket, scheduler_socket)
     except Exception:
         logger.exception("Detokenizer failed")
         raise

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 from engine_test_utils import assert_kv_all_back, engine_state, wait_for
+from server_test_utils import ServerProcess
 
 # ---- a detokenizer failure ends the request in the scheduler -----------------------------------
 _PICKY_TOKENIZER = '''
@@ -82,3 +86,51 @@ def test_detokenizer_failure_aborts_the_request_in_the_scheduler(
     assert finals[0]["type"] == "abort" and "poisoned request" in finals[0]["message"]
     assert out["output_ids"] == alone["output_ids"] and len(out["output_ids"]) == 300
     assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+# ---- the biggest logprob reply does not block /health ------------------------------------------
+LONG_CONTEXT = 4096
+
+
+def test_health_answers_during_the_biggest_logprob_reply(
+    tiny_model_dir: Callable[..., Path],
+) -> None:
+    # The worst single request: a context-length prompt, 128 top logprobs (the default
+    # --max-top-logprobs-num) at every position, with their texts: 0.5 M rows to build.
+    model = tiny_model_dir("llama", max_position_embeddings=LONG_CONTEXT)
+    num_prompt = LONG_CONTEXT - 4
+    body = {
+        "input_ids": [5 + (7 * i) % 500 for i in range(num_prompt)],
+        "return_logprob": True, "top_logprobs_num": 128, "logprob_start_len": 0,
+        "return_text_in_logprobs": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True},
+    }
+    results: dict[str, httpx.Response] = {}
+    done = threading.Event()
+    args = ("--max-total-tokens", str(2 * LONG_CONTEXT), "--skip-server-warmup")
+    with ServerProcess(model, *args) as server:
+
+        def big_request() -> None:
+            try:
+                results["r"] = httpx.post(server.url + "/generate", json=body, timeout=300)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=big_request)
+        thread.start()
+        worst = 0.0
+        while not done.is_set():
+            start = time.monotonic()
+            assert httpx.get(server.url + "/health", timeout=60).status_code == 200
+            worst = max(worst, time.monotonic() - start)
+            time.sleep(0.05)
+        thread.join()
+    print(f"max /health latency during the reply: {worst:.3f} s")
+    assert results["r"].status_code == 200, results["r"].text[:500]
+    meta = results["r"].json()["meta_info"]
+    top = meta["input_top_logprobs"]
+    assert len(top) == num_prompt and top[0] is None
+    assert all(len(pos) == 128 for pos in top[1:])
+    assert all(isinstance(text, str) for _, _, text in top[-1])
+    assert len(meta["output_top_logprobs"]) == 2
+    assert worst < 1.0, f"/health took {worst:.2f} s while the reply was built"

@@ -6,7 +6,11 @@ directory and no child process.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -15,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
+import pytest
 from engine_test_utils import assert_kv_all_back, engine_state, wait_for
-from server_test_utils import ServerProcess
+from server_test_utils import REPO_ROOT, ServerProcess
 
 # ---- a detokenizer failure ends the request in the scheduler -----------------------------------
 _PICKY_TOKENIZER = '''
@@ -134,3 +140,68 @@ def test_health_answers_during_the_biggest_logprob_reply(
     assert all(isinstance(text, str) for _, _, text in top[-1])
     assert len(meta["output_top_logprobs"]) == 2
     assert worst < 1.0, f"/health took {worst:.2f} s while the reply was built"
+
+
+# ---- an Engine's process ended by SIGTERM leaves nothing behind --------------------------------
+_ENGINE_SCRIPT = """
+import json, os, signal, sys, time
+mode, model = sys.argv[1], sys.argv[2]
+if mode == "own-handler":
+    def handler(signum, frame):
+        print("own handler", flush=True)
+        sys.exit(3)
+    signal.signal(signal.SIGTERM, handler)
+import sglang as sgl
+engine = sgl.Engine(model_path=model, random_seed=0)
+out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
+ipc = os.path.dirname(engine.tokenizer_manager.port_args.tokenizer_ipc_name[len("ipc://"):])
+print(json.dumps({"ipc": ipc, "children": [p.pid for p in engine._procs],
+                  "tokens": len(out["output_ids"])}), flush=True)
+if mode != "exit":
+    time.sleep(300)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("mode", ["sigterm", "own-handler", "exit"])
+def test_engine_process_leaves_no_ipc_dir_nor_children(
+    tiny_model_dir: Callable[..., Path], tmp_path: Path, mode: str
+) -> None:
+    env = dict(os.environ, TMPDIR=str(tmp_path), TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(REPO_ROOT / "python"), str(REPO_ROOT / "sgl-kernel" / "python")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ENGINE_SCRIPT, mode, str(tiny_model_dir("llama"))],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+    )
+    try:
+        lines = []
+        while not lines or not lines[-1].startswith("{"):
+            line = proc.stdout.readline() if proc.stdout else ""
+            assert line, "the engine script ended early:\n" + "".join(lines)
+            lines.append(line)
+        info = json.loads(lines[-1])
+        assert info["tokens"] == 2 and Path(info["ipc"]).is_dir()
+        assert Path(info["ipc"]).parent == tmp_path and len(info["children"]) == 2
+        if mode != "exit":
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+        rest = proc.stdout.read() if proc.stdout else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    expected = {"sigterm": -signal.SIGTERM, "own-handler": 3, "exit": 0}[mode]
+    assert code == expected, rest
+    assert ("own handler" in rest) == (mode == "own-handler")
+    assert not Path(info["ipc"]).exists()
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("sglang-")] == []
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in info["children"]):  # reaped by init after the parent
+        assert time.monotonic() < deadline, "a child process outlived the engine"
+        time.sleep(0.1)

@@ -63,18 +63,27 @@ def test_detokenizer_failure_aborts_the_request_in_the_scheduler(
     params: dict[str, Any] = {"temperature": 0, "max_new_tokens": 300, "ignore_eos": True}
     poisoned = {**params, "max_new_tokens": 400, "spaces_between_special_tokens": False}
     healthy_ids = [11, 20, 30, 41]
-    with sgl.Engine(model_path=str(model), trust_remote_code=True, random_seed=0,
-                    enable_deterministic_inference=True) as engine:
+    with sgl.Engine(
+        model_path=str(model),
+        trust_remote_code=True,
+        random_seed=0,
+        enable_deterministic_inference=True,
+    ) as engine:
         alone = engine.generate(input_ids=healthy_ids, sampling_params=params)
         with ThreadPoolExecutor(2) as pool:
-            good = pool.submit(engine.generate, input_ids=healthy_ids, sampling_params=params,
-                               rid="healthy")
+            good = pool.submit(
+                engine.generate, input_ids=healthy_ids, sampling_params=params, rid="healthy"
+            )
             wait_for(lambda: "healthy" in engine_state(engine)["running_batch_rids"])
             chunks: list[dict] = []
 
             def poisoned_stream() -> None:
-                for chunk in engine.generate(input_ids=[10, 20, 30, 40], rid="poisoned",
-                                             sampling_params=poisoned, stream=True):
+                for chunk in engine.generate(
+                    input_ids=[10, 20, 30, 40],
+                    rid="poisoned",
+                    sampling_params=poisoned,
+                    stream=True,
+                ):
                     chunks.append(chunk)
 
             pool.submit(poisoned_stream).result(60)
@@ -107,7 +116,9 @@ def test_health_answers_during_the_biggest_logprob_reply(
     num_prompt = LONG_CONTEXT - 4
     body = {
         "input_ids": [5 + (7 * i) % 500 for i in range(num_prompt)],
-        "return_logprob": True, "top_logprobs_num": 128, "logprob_start_len": 0,
+        "return_logprob": True,
+        "top_logprobs_num": 128,
+        "logprob_start_len": 0,
         "return_text_in_logprobs": True,
         "sampling_params": {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True},
     }
@@ -173,11 +184,20 @@ def _alive(pid: int) -> bool:
 def test_engine_process_leaves_no_ipc_dir_nor_children(
     tiny_model_dir: Callable[..., Path], tmp_path: Path, mode: str
 ) -> None:
-    env = dict(os.environ, TMPDIR=str(tmp_path), TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(REPO_ROOT / "python"), str(REPO_ROOT / "sgl-kernel" / "python")]))
+    env = dict(
+        os.environ,
+        TMPDIR=str(tmp_path),
+        TRITON_INTERPRET="1",
+        PYTHONPATH=os.pathsep.join(
+            [str(REPO_ROOT / "python"), str(REPO_ROOT / "sgl-kernel" / "python")]
+        ),
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", _ENGINE_SCRIPT, mode, str(tiny_model_dir("llama"))],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
     )
     try:
         lines = []

@@ -109,13 +109,17 @@ class DetokenizerManager:
         served; a failed rid the scheduler still runs is queued in :attr:`rids_to_abort`.
         Raises only when even that is impossible (a malformed message).
         """
-        saved = {rid: dataclasses.replace(self.states[rid], ids=list(self.states[rid].ids))
-                 for rid in msg.rids if rid in self.states}
+        saved = {
+            rid: dataclasses.replace(self.states[rid], ids=list(self.states[rid].ids))
+            for rid in msg.rids
+            if rid in self.states
+        }
         try:
             return self._handle_batch(msg)
         except Exception:
-            logger.exception("Decoding a batch of %d request(s) failed; isolating the failure",
-                             len(msg.rids))
+            logger.exception(
+                "Decoding a batch of %d request(s) failed; isolating the failure", len(msg.rids)
+            )
         for rid in msg.rids:  # undo the partial progress of the failed attempt
             self.states.pop(rid, None)
         self.states.update(saved)
@@ -177,8 +181,9 @@ class DetokenizerManager:
         states = []
         for i, rid in enumerate(msg.rids):
             state = self.states.setdefault(rid, DecodeState())
-            state.ids.extend(_ids_for_text(msg.decode_ids[i], msg.finished_reasons[i],
-                                           msg.no_stop_trim[i]))
+            state.ids.extend(
+                _ids_for_text(msg.decode_ids[i], msg.finished_reasons[i], msg.no_stop_trim[i])
+            )
             states.append(state)
         # One batch_decode call per (skip_special_tokens, spaces_between_special_tokens) group.
         groups: dict[tuple[bool, bool], list[int]] = {}
@@ -186,8 +191,10 @@ class DetokenizerManager:
             key = (msg.skip_special_tokens[i], msg.spaces_between_special_tokens[i])
             groups.setdefault(key, []).append(i)
         for (skip, spaces), members in groups.items():
-            windows = [states[i].ids[states[i].surr_offset:states[i].read_offset] for i in members]
-            fulls = [states[i].ids[states[i].surr_offset:] for i in members]
+            windows = [
+                states[i].ids[states[i].surr_offset : states[i].read_offset] for i in members
+            ]
+            fulls = [states[i].ids[states[i].surr_offset :] for i in members]
             texts = tokenizer.batch_decode(
                 windows + fulls,
                 skip_special_tokens=skip,
@@ -275,8 +282,11 @@ def _concat_tokens(parts: list[BatchTokenIDOutput], template: BatchTokenIDOutput
     """``parts`` as one message; with none, ``template`` with every per-rid list empty."""
     if parts:
         return _concat(parts)
-    empty: dict[str, Any] = {f.name: [] for f in dataclasses.fields(template)
-                             if isinstance(getattr(template, f.name), list)}
+    empty: dict[str, Any] = {
+        f.name: []
+        for f in dataclasses.fields(template)
+        if isinstance(getattr(template, f.name), list)
+    }
     return dataclasses.replace(template, **empty)
 
 
@@ -300,7 +310,7 @@ def _advance(state: DecodeState, prefix_text: str, full_text: str, finished: boo
     """Move the confirmed text forward unless the new text ends in a partial character."""
     if not finished and full_text.endswith(_REPLACEMENT_CHAR):
         return
-    state.decoded_text += full_text[len(prefix_text):]
+    state.decoded_text += full_text[len(prefix_text) :]
     state.surr_offset = state.read_offset
     state.read_offset = len(state.ids)
 
@@ -309,7 +319,7 @@ def _emit_running(state: DecodeState, stop_str_max_len: int) -> str:
     """New text of a running rid, holding back what could be the start of a stop string."""
     end = len(state.decoded_text) - max(stop_str_max_len - 1, 0)
     end = max(end, state.sent_len)
-    delta = state.decoded_text[state.sent_len:end]
+    delta = state.decoded_text[state.sent_len : end]
     state.sent_len = end
     return delta
 
@@ -322,7 +332,7 @@ def _emit_finished(state: DecodeState, reason: dict[str, Any], no_stop_trim: boo
         pos = text.find(matched)
         if pos >= 0:
             text = text[:pos]
-    return text[state.sent_len:]
+    return text[state.sent_len :]
 
 
 def exit_when_parent_dies(poll_s: float = 1.0) -> None:
@@ -362,19 +372,16 @@ def run_detokenizer_process(
 
     context = zmq.Context(2)
     try:
-        recv_socket = get_zmq_socket(
-            context, zmq.PULL, port_args.detokenizer_ipc_name, bind=True
-        )
-        send_socket = get_zmq_socket(
-            context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False
-        )
+        recv_socket = get_zmq_socket(context, zmq.PULL, port_args.detokenizer_ipc_name, bind=True)
+        send_socket = get_zmq_socket(context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False)
         scheduler_socket = get_zmq_socket(
             context, zmq.PUSH, port_args.scheduler_input_ipc_name, bind=False
         )
         tokenizer = None
         if not server_args.skip_tokenizer_init:
-            tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path,
-                                      server_args.trust_remote_code)
+            tokenizer = get_tokenizer(
+                server_args.tokenizer_path or server_args.model_path, server_args.trust_remote_code
+            )
     except Exception as e:  # reported to the launcher verbatim, like the scheduler's
         logger.exception("Detokenizer failed to start")
         pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})

@@ -464,9 +464,11 @@ class TokenizerManager:
             named = await asyncio.to_thread(self.weights_update_groups.receive, obj)
         except (ValueError, RuntimeError) as e:
             return False, f"Failed to receive the weights: {e}"
-        out = await self.update_weights_from_tensor(UpdateWeightsFromTensorReqInput(
-            named, obj.load_format, obj.flush_cache, obj.abort_all_requests, obj.weight_version
-        ))
+        out = await self.update_weights_from_tensor(
+            UpdateWeightsFromTensorReqInput(
+                named, obj.load_format, obj.flush_cache, obj.abort_all_requests, obj.weight_version
+            )
+        )
         return out.success, out.message
 
     async def destroy_weights_update_group(
@@ -541,8 +543,10 @@ class TokenizerManager:
                     msg = await asyncio.to_thread(loads, data)
                 else:
                     msg = loads(data)
-                if (isinstance(msg, BatchStrOutput)
-                        and logprob_entries(msg) > _OFFLOAD_LOGPROB_ENTRIES):
+                if (
+                    isinstance(msg, BatchStrOutput)
+                    and logprob_entries(msg) > _OFFLOAD_LOGPROB_ENTRIES
+                ):
                     await self._handle_big_batch_str_output(msg)
                 else:
                     self._dispatcher(msg)
@@ -552,7 +556,8 @@ class TokenizerManager:
     async def _handle_big_batch_str_output(self, msg: BatchStrOutput) -> None:
         """:meth:`_handle_batch_str_output` with the logprob rows built in a worker thread."""
         states = {
-            i: state for i, rid in enumerate(msg.rids)
+            i: state
+            for i, rid in enumerate(msg.rids)
             if (state := self.rid_to_state.get(rid)) is not None and not state.finished
         }
 

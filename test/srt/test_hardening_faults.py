@@ -5,8 +5,10 @@ directory and no child process.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -21,8 +23,16 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+import zmq
 from engine_test_utils import assert_kv_all_back, engine_state, wait_for
 from server_test_utils import REPO_ROOT, ServerProcess
+
+import sglang.srt.managers.tokenizer_manager as tm_module
+from sglang.srt.managers.io_struct import BatchStrOutput, GenerateReqInput
+from sglang.srt.managers.tokenizer_manager import TokenizerManager
+from sglang.srt.managers.tokenizer_req_state import logprob_entries
+from sglang.srt.server_args import PortArgs, ServerArgs
+from sglang.srt.utils import dumps
 
 # ---- a detokenizer failure ends the request in the scheduler -----------------------------------
 _PICKY_TOKENIZER = '''
@@ -225,3 +235,93 @@ def test_engine_process_leaves_no_ipc_dir_nor_children(
     while any(_alive(pid) for pid in info["children"]):  # reaped by init after the parent
         assert time.monotonic() < deadline, "a child process outlived the engine"
         time.sleep(0.1)
+
+
+def test_big_logprob_outputs_keep_their_order_and_the_loop_free(
+    tiny_model_dir: Callable[..., Path],
+) -> None:
+    # Without processes: outputs pushed straight to the TokenizerManager's socket. A big one
+    # (its rows built in a worker thread) and the small final one behind it are applied in
+    # order, and the loop keeps turning meanwhile.
+    model = tiny_model_dir("llama", max_position_embeddings=LONG_CONTEXT)
+    info = {"context_length": LONG_CONTEXT, "vocab_size": 512, "max_req_input_len": 4000}
+    server_args = ServerArgs(model_path=str(model))
+    tm = TokenizerManager(server_args, PortArgs.init_new(), info)
+    num_prompt = 3000
+    rng = random.Random(0)
+
+    def top(n: int) -> tuple[list, list]:
+        vals = [[-1.0 - rng.random() for _ in range(128)] for _ in range(n)]
+        return vals, [[rng.randrange(512) for _ in range(128)] for _ in range(n)]
+
+    in_vals, in_idxs = top(num_prompt - 1)
+    out_vals, out_idxs = top(2)
+
+    def output(i: int, final: bool, **logprobs: Any) -> BatchStrOutput:
+        return BatchStrOutput(
+            rids=["big"],
+            finished_reasons=[{"type": "length", "length": 2} if final else None],
+            output_strs=["x"],
+            output_ids=[[7 + i]],
+            prompt_tokens=[num_prompt],
+            completion_tokens=[i + 1],
+            cached_tokens=[0],
+            retraction_counts=[0],
+            output_token_logprobs_val=[[-1.0 - i]],
+            output_token_logprobs_idx=[[7 + i]],
+            output_top_logprobs_val=[[out_vals[i]]],
+            output_top_logprobs_idx=[[out_idxs[i]]],
+            **logprobs,
+        )
+
+    first = output(
+        0,
+        False,
+        input_token_logprobs_val=[[None] + [-1.0] * (num_prompt - 1)],
+        input_token_logprobs_idx=[[5] * num_prompt],
+        input_top_logprobs_val=[[[], *in_vals]],
+        input_top_logprobs_idx=[[[], *in_idxs]],
+    )
+    assert logprob_entries(first) > tm_module._OFFLOAD_LOGPROB_ENTRIES
+
+    async def run() -> tuple[dict, float]:
+        tm.start()
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.connect(tm.port_args.tokenizer_ipc_name)
+        obj = GenerateReqInput(
+            input_ids=[5] * num_prompt,
+            rid="big",
+            return_logprob=True,
+            top_logprobs_num=128,
+            logprob_start_len=0,
+            return_text_in_logprobs=True,
+            sampling_params={"max_new_tokens": 2},
+        )
+        outputs = tm.generate_request(obj)
+        task = asyncio.ensure_future(outputs.__anext__())
+        while "big" not in tm.rid_to_state:
+            await asyncio.sleep(0.01)
+        push.send(dumps(first))
+        push.send(dumps(output(1, True)))
+        worst, last = 0.0, time.monotonic()
+        while not task.done():
+            await asyncio.sleep(0.005)
+            worst = max(worst, time.monotonic() - last)
+            last = time.monotonic()
+        out = task.result()
+        await outputs.aclose()
+        push.close(linger=0)
+        await tm.close()
+        return out, worst
+
+    out, worst = asyncio.run(run())
+    meta = out["meta_info"]
+    assert out["output_ids"] == [7, 8] and meta["finish_reason"]["type"] == "length"
+    assert [row[1] for row in meta["output_token_logprobs"]] == [7, 8]
+    tops = meta["output_top_logprobs"]
+    assert [[t for _, t, _ in pos] for pos in tops] == out_idxs
+    decode = tm.tokenizer.decode
+    assert all(text == decode([t]) for _, t, text in tops[1][:20])
+    assert len(meta["input_top_logprobs"]) == num_prompt
+    assert [t for _, t, _ in meta["input_top_logprobs"][-1]] == in_idxs[-1]
+    assert worst < 1.0, f"the loop stalled {worst:.2f} s"

@@ -56,11 +56,21 @@ def reference(server: ServerProcess) -> list[int]:
     return reference_ids(server)
 
 
-def _raw(server: ServerProcess, path: str, body: str | bytes,
-         headers: dict[str, str] | None = None, method: str = "POST") -> httpx.Response:
+def _raw(
+    server: ServerProcess,
+    path: str,
+    body: str | bytes,
+    headers: dict[str, str] | None = None,
+    method: str = "POST",
+) -> httpx.Response:
     data = body.encode() if isinstance(body, str) else body
-    return httpx.request(method, server.url + path, content=data, timeout=60,
-                         headers={"Content-Type": "application/json", **(headers or {})})
+    return httpx.request(
+        method,
+        server.url + path,
+        content=data,
+        timeout=60,
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
 
 
 def _sp(fields: str) -> str:
@@ -84,22 +94,30 @@ ISSUE_CASES = [
     ("/generate", _sp('"frequency_penalty": true'), "frequency_penalty"),
     ("/generate", '{"text": ' + SURROGATE + "}", "Malformed JSON"),
     ("/v1/completions", '{"prompt": ' + SURROGATE + "}", "Malformed JSON"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": ' + SURROGATE + "}]}",
-     "Malformed JSON"),
+    (
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": ' + SURROGATE + "}]}",
+        "Malformed JSON",
+    ),
     ("/generate", _sp('"temperature": NaN'), "Malformed JSON"),
     ("/generate", _sp('"temperature": Infinity'), "Malformed JSON"),
     ("/v1/completions", '{"prompt": "hi", "temperature": NaN}', "Malformed JSON"),
-    ("/v1/chat/completions",
-     '{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}',
-     "Malformed JSON"),
+    (
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}',
+        "Malformed JSON",
+    ),
     ("/generate", _sp('"ignore_eos": "yes"'), "ignore_eos"),
     ("/generate", _sp('"ignore_eos": 1'), "ignore_eos"),
     ("/generate", _sp('"no_stop_trim": [1]'), "no_stop_trim"),
     ("/generate", '{"input_ids": [true, 1]}', "input_ids"),
     ("/v1/completions", '{"prompt": "hi", "ignore_eos": "true"}', "ignore_eos"),
     ("/v1/completions", '{"prompt": "hi", "repetition_penalty": false}', "repetition_penalty"),
-    ("/generate", '{"text": "hi", "top_logprobs_num": 512, "return_logprob": true, '
-                  '"logprob_start_len": 0}', "top_logprobs_num"),
+    (
+        "/generate",
+        '{"text": "hi", "top_logprobs_num": 512, "return_logprob": true, "logprob_start_len": 0}',
+        "top_logprobs_num",
+    ),
     ("/generate", json.dumps({"text": ["a"] * 10_000}), "max-request-batch-size"),
     ("/generate", _sp('"n": 10000'), "n"),
     ("/generate", _sp('"stop": ' + json.dumps(["x"] * 65)), "stop"),
@@ -110,10 +128,12 @@ ISSUE_CASES = [
     ("/generate", '{"text": "hi", "rid": ""}', "rid"),
     ("/generate", '{"text": "hi", "stream": "yes"}', "stream"),
     ("/v1/completions", '{"prompt": "hi", "n": 2147483648}', "--max-request-batch-size"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "n": 10000000}',
-     "--max-request-batch-size"),
-    ("/update_weight_version", json.dumps({"new_version": "v" * (8 * 1024 * 1024)}),
-     "new_version"),
+    (
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": "hi"}], "n": 10000000}',
+        "--max-request-batch-size",
+    ),
+    ("/update_weight_version", json.dumps({"new_version": "v" * (8 * 1024 * 1024)}), "new_version"),
     ("/pause_generation", '{"mode": "sideways"}', "mode"),
     ("/pause_generation", '{"mode": "abort", "timeout_s": 1e300}', "timeout_s"),
     ("/abort_request", '{"rid": ' + SURROGATE + "}", "Malformed JSON"),
@@ -121,8 +141,9 @@ ISSUE_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("path", "body", "needle"), ISSUE_CASES,
-                         ids=[f"{i}-{c[0]}" for i, c in enumerate(ISSUE_CASES)])
+@pytest.mark.parametrize(
+    ("path", "body", "needle"), ISSUE_CASES, ids=[f"{i}-{c[0]}" for i, c in enumerate(ISSUE_CASES)]
+)
 def test_issue_examples_are_refused_and_the_engine_keeps_serving(
     server: ServerProcess, reference: list[int], path: str, body: str, needle: str
 ) -> None:
@@ -139,8 +160,7 @@ def test_errors_name_the_field_and_rule(server: ServerProcess) -> None:
     r = _raw(server, "/generate", _sp('"frequency_penalty": "1"'))
     error = r.json()["error"]
     assert error["param"] == "sampling_params.frequency_penalty"
-    assert error["message"] == (
-        "sampling_params.frequency_penalty: must be a number, got '1'")
+    assert error["message"] == ("sampling_params.frequency_penalty: must be a number, got '1'")
     r = _raw(server, "/generate", '{"input_ids": [[1, 2], [3, 600]]}')
     assert r.json()["error"]["param"] == "input_ids[1][1]"
 
@@ -195,8 +215,11 @@ def test_control_routes_refuse_cross_site_use(server: ServerProcess) -> None:
     # An HTML form posts urlencoded (or text/plain) bodies: refused.
     r = httpx.post(url + "/pause_generation", data={"mode": "abort"})
     assert r.status_code == 415
-    r = httpx.post(url + "/pause_generation", content=b'{"mode": "abort"}',
-                   headers={"Content-Type": "text/plain"})
+    r = httpx.post(
+        url + "/pause_generation",
+        content=b'{"mode": "abort"}',
+        headers={"Content-Type": "text/plain"},
+    )
     assert r.status_code == 415
     # A script on another origin: refused, whatever the content type.
     r = httpx.post(url + "/pause_generation", json={}, headers={"Origin": "http://evil.example"})
@@ -223,8 +246,9 @@ def test_weight_paths_do_not_reveal_what_exists(server: ServerProcess, tmp_path:
     (tmp_path / "file.txt").write_text("x")
     messages = set()
     for path in ("/no/such/dir", "/etc", "/etc/passwd", str(tmp_path / "file.txt"), "~root"):
-        r = httpx.post(server.url + "/update_weights_from_disk", json={"model_path": path},
-                       timeout=60)
+        r = httpx.post(
+            server.url + "/update_weights_from_disk", json={"model_path": path}, timeout=60
+        )
         assert r.status_code == 400 and r.json()["success"] is False
         messages.add(r.json()["message"])
     assert messages == {
@@ -276,10 +300,22 @@ ENGINE_CASES = [
 
 @pytest.mark.parametrize("kwargs", ENGINE_CASES, ids=[str(i) for i in range(len(ENGINE_CASES))])
 def test_engine_requests_are_refused_before_sending(tm: TokenizerManager, kwargs: dict) -> None:
-    args = {"prompt": None, "sampling_params": None, "input_ids": None, "return_logprob": False,
-            "logprob_start_len": None, "top_logprobs_num": None, "stream": False, "rid": None,
-            "return_entropy": False, "return_text_in_logprobs": False, "entropy_mode": None,
-            "entropy_top_k": None, "upstream_kwargs": {}, **kwargs}
+    args = {
+        "prompt": None,
+        "sampling_params": None,
+        "input_ids": None,
+        "return_logprob": False,
+        "logprob_start_len": None,
+        "top_logprobs_num": None,
+        "stream": False,
+        "rid": None,
+        "return_entropy": False,
+        "return_text_in_logprobs": False,
+        "entropy_mode": None,
+        "entropy_top_k": None,
+        "upstream_kwargs": {},
+        **kwargs,
+    }
     obj = _make_request(args)
 
     async def run() -> None:
@@ -294,19 +330,20 @@ def test_engine_requests_are_refused_before_sending(tm: TokenizerManager, kwargs
     assert not tm.rid_to_state  # nothing was queued
 
 
-@pytest.mark.parametrize("req", [
-    PauseGenerationReqInput(mode=3),  # type: ignore[arg-type]
-    PauseGenerationReqInput(mode="x" * 100),  # type: ignore[arg-type]
-    PauseGenerationReqInput(mode="abort", timeout_s=float("nan")),
-    PauseGenerationReqInput(mode="abort", clear_cache="yes"),  # type: ignore[arg-type]
-    AbortReq(rid="\ud800"),
-    UpdateWeightVersionReqInput(new_version="x" * 300),
-    UpdateWeightVersionReqInput(new_version=""),
-    UpdateWeightFromDiskReqInput(model_path="/etc", weight_version="v"),
-])
-def test_engine_control_requests_are_refused_before_sending(
-    tm: TokenizerManager, req: Any
-) -> None:
+@pytest.mark.parametrize(
+    "req",
+    [
+        PauseGenerationReqInput(mode=3),  # type: ignore[arg-type]
+        PauseGenerationReqInput(mode="x" * 100),  # type: ignore[arg-type]
+        PauseGenerationReqInput(mode="abort", timeout_s=float("nan")),
+        PauseGenerationReqInput(mode="abort", clear_cache="yes"),  # type: ignore[arg-type]
+        AbortReq(rid="\ud800"),
+        UpdateWeightVersionReqInput(new_version="x" * 300),
+        UpdateWeightVersionReqInput(new_version=""),
+        UpdateWeightFromDiskReqInput(model_path="/etc", weight_version="v"),
+    ],
+)
+def test_engine_control_requests_are_refused_before_sending(tm: TokenizerManager, req: Any) -> None:
     with pytest.raises(ValueError):
         asyncio.run(tm._control(req))
 
@@ -316,8 +353,10 @@ def test_sigterm_answers_in_flight_requests_and_removes_the_ipc_dir(
     model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-    slow = {"input_ids": [5, 6, 7], "sampling_params": {
-        "temperature": 0, "max_new_tokens": 500, "ignore_eos": True}}
+    slow = {
+        "input_ids": [5, 6, 7],
+        "sampling_params": {"temperature": 0, "max_new_tokens": 500, "ignore_eos": True},
+    }
     results: dict[str, Any] = {}
 
     def ipc_dirs() -> list[Path]:
@@ -330,8 +369,9 @@ def test_sigterm_answers_in_flight_requests_and_removes_the_ipc_dir(
             results["plain"] = httpx.post(srv.url + "/generate", json=slow, timeout=60)
 
         def stream() -> None:
-            with httpx.stream("POST", srv.url + "/generate", json={**slow, "stream": True},
-                              timeout=60) as r:
+            with httpx.stream(
+                "POST", srv.url + "/generate", json={**slow, "stream": True}, timeout=60
+            ) as r:
                 results["stream"] = b"".join(r.iter_bytes())
 
         threads = [threading.Thread(target=plain), threading.Thread(target=stream)]
@@ -349,7 +389,7 @@ def test_sigterm_answers_in_flight_requests_and_removes_the_ipc_dir(
     assert plain.status_code == 503 and "shutting down" in plain.json()["error"]["message"]
     events = results["stream"].decode().strip().split("\n\n")
     assert events[-1] == "data: [DONE]"
-    assert "shutting down" in json.loads(events[-2][len("data: "):])["error"]["message"]
+    assert "shutting down" in json.loads(events[-2][len("data: ") :])["error"]["message"]
     assert ipc_dirs() == []
 
 
@@ -357,40 +397,62 @@ def test_sigterm_answers_in_flight_requests_and_removes_the_ipc_dir(
 class _PickyTokenizer:
     """Decodes ids as "<id>"; any sequence holding id 13 raises (a poisoned request)."""
 
-    def batch_decode(self, seqs: list[list[int]], skip_special_tokens: bool,
-                     spaces_between_special_tokens: bool) -> list[str]:
+    def batch_decode(
+        self, seqs: list[list[int]], skip_special_tokens: bool, spaces_between_special_tokens: bool
+    ) -> list[str]:
         if any(13 in seq for seq in seqs):
             raise ValueError("cannot decode 13")
         return ["".join(f"<{i}>" for i in seq) for seq in seqs]
 
 
-def _token_msg(rids: list[str], ids: list[list[int]],
-               reasons: list[dict | None]) -> BatchTokenIDOutput:
+def _token_msg(
+    rids: list[str], ids: list[list[int]], reasons: list[dict | None]
+) -> BatchTokenIDOutput:
     n = len(rids)
     return BatchTokenIDOutput(
-        rids=rids, finished_reasons=reasons, decode_ids=ids, skip_special_tokens=[True] * n,
-        spaces_between_special_tokens=[True] * n, no_stop_trim=[False] * n,
-        stop_str_max_len=[0] * n, prompt_tokens=[1] * n, completion_tokens=[len(i) for i in ids],
-        cached_tokens=[0] * n, retraction_counts=[0] * n,
+        rids=rids,
+        finished_reasons=reasons,
+        decode_ids=ids,
+        skip_special_tokens=[True] * n,
+        spaces_between_special_tokens=[True] * n,
+        no_stop_trim=[False] * n,
+        stop_str_max_len=[0] * n,
+        prompt_tokens=[1] * n,
+        completion_tokens=[len(i) for i in ids],
+        cached_tokens=[0] * n,
+        retraction_counts=[0] * n,
         output_token_entropy_val=[[0.5] * len(i) for i in ids],
     )
 
 
 def test_detokenizer_fails_only_the_poisoned_request() -> None:
     detok = DetokenizerManager(_PickyTokenizer())
-    out = detok.handle_batch_token_id_output(_token_msg(["a", "bad", "c"], [[1], [13], [3]],
-                                                        [None, None, None]))
+    out = detok.handle_batch_token_id_output(
+        _token_msg(["a", "bad", "c"], [[1], [13], [3]], [None, None, None])
+    )
     assert out.rids == ["a", "bad", "c"] and out.output_strs == ["<1>", "", "<3>"]
     assert out.finished_reasons[0] is None and out.finished_reasons[2] is None
     assert out.finished_reasons[1]["type"] == "abort"
     assert "cannot decode 13" in out.finished_reasons[1]["message"]
     assert out.output_token_entropy_val == [[0.5], [0.5], [0.5]]
+    # The scheduler still runs "bad": it is aborted there (once), freeing its KV at once.
+    aborts = detok.take_aborts()
+    assert [(a.rid, a.abort_all, a.match_prefix) for a in aborts] == [("bad", False, False)]
+    assert detok.take_aborts() == []
     # The others go on exactly where they were (no id decoded twice); the failed rid's later
     # ids are dropped until the scheduler's final message for it.
-    out = detok.handle_batch_token_id_output(_token_msg(["a", "bad", "c"], [[2], [5], [4]],
-                                                        [None, None, None]))
+    out = detok.handle_batch_token_id_output(
+        _token_msg(["a", "bad", "c"], [[2], [5], [4]], [None, None, None])
+    )
     assert out.rids == ["a", "c"] and out.output_strs == ["<2>", "<4>"]
     out = detok.handle_batch_token_id_output(
-        _token_msg(["bad", "a"], [[6], [7]], [{"type": "length", "length": 3}, None]))
+        _token_msg(["bad", "a"], [[6], [7]], [{"type": "length", "length": 3}, None])
+    )
     assert out.rids == ["a"] and out.output_strs == ["<7>"] and not detok.failed_rids
     assert detok.states["a"].ids == [1, 2, 7]
+    # A failure on a rid's final message: nothing left to abort or to wait for.
+    out = detok.handle_batch_token_id_output(
+        _token_msg(["a", "z"], [[8], [13]], [None, {"type": "length", "length": 1}])
+    )
+    assert out.rids == ["a", "z"] and out.finished_reasons[1]["type"] == "abort"
+    assert detok.take_aborts() == [] and not detok.failed_rids

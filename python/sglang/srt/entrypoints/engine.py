@@ -24,6 +24,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import threading
 import weakref
 from collections.abc import AsyncIterator, Coroutine, Iterator
@@ -200,6 +201,44 @@ def _shutdown_from_atexit(ref: weakref.ref) -> None:
         engine.shutdown()
 
 
+# Engines not shut down yet, for the SIGTERM handler; and the handler it replaced.
+_live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+_previous_sigterm_handler: Any = signal.SIG_DFL
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM with engines alive: a handler installed before them decides (call it: if it
+    exits, ``atexit`` shuts the engines down; if it returns, they keep serving). Otherwise,
+    as the default action would, the process ends by the signal, but first every engine is
+    shut down: no child process is left and the IPC directories are removed."""
+    previous = _previous_sigterm_handler
+    if callable(previous):
+        previous(signum, frame)
+        return
+    for engine in list(_live_engines):
+        try:
+            engine.shutdown()
+        except Exception:  # the process ends whatever happened to one engine
+            logger.warning("Shutting an engine down on SIGTERM failed", exc_info=True)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    raise SystemExit(128 + signum)  # not reached: the default action ends the process
+
+
+def _install_sigterm_handler() -> None:
+    """Install :func:`_on_sigterm`, remembering the handler it replaces. Only in the main
+    thread (the only one Python lets set handlers), and not where SIGTERM is ignored or
+    handled outside Python (that choice stays)."""
+    global _previous_sigterm_handler
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGTERM)
+    if current is _on_sigterm or current is None or current == signal.SIG_IGN:
+        return
+    _previous_sigterm_handler = current
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
 class Engine:
     """The in-process engine. ``Engine(**kwargs)`` takes :class:`ServerArgs` fields (or, as
     upstream, ``Engine(server_args=ServerArgs(...))``) and upstream SGLang's other ServerArgs
@@ -207,10 +246,11 @@ class Engine:
     that would change results is a ValueError naming it, an unknown name a TypeError
     (docs/compatibility.md).
 
-    Public methods follow SGLang's ``Engine``. After :meth:`shutdown` (also run at exit and,
-    best effort, on garbage collection) no child process is left and every method raises
-    RuntimeError. A request that fails validation raises ValueError; a dead scheduler makes
-    pending and later calls raise RuntimeError.
+    Public methods follow SGLang's ``Engine``. After :meth:`shutdown` (also run at exit, on
+    SIGTERM unless a handler of the caller's takes it, see :func:`_on_sigterm`, and, best
+    effort, on garbage collection) no child process nor IPC directory is left and every
+    method raises RuntimeError. A request that fails validation raises ValueError; a dead
+    scheduler makes pending and later calls raise RuntimeError.
     """
 
     def __init__(self, **kwargs: Any) -> None:
@@ -229,6 +269,8 @@ class Engine:
         self.tokenizer_manager: TokenizerManager | None = None
         self._atexit_hook = functools.partial(_shutdown_from_atexit, weakref.ref(self))
         atexit.register(self._atexit_hook)
+        _live_engines.add(self)
+        _install_sigterm_handler()
         try:
             tm, self.scheduler_info, self._procs = launch_engine_processes(self.server_args)
             self.tokenizer_manager = tm
@@ -493,6 +535,7 @@ class Engine:
             return
         self._closed = True
         atexit.unregister(self._atexit_hook)
+        _live_engines.discard(self)
         tm, loop, thread = self.tokenizer_manager, self._loop, self._thread
         on_loop_thread = thread is threading.current_thread()
         if tm is not None and loop is not None and loop.is_running() and not on_loop_thread:

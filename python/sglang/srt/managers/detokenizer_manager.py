@@ -31,7 +31,12 @@ from typing import Any
 
 import zmq
 
-from sglang.srt.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, SchedulerReply
+from sglang.srt.managers.io_struct import (
+    AbortReq,
+    BatchStrOutput,
+    BatchTokenIDOutput,
+    SchedulerReply,
+)
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils import (
     TypeBasedDispatcher,
@@ -44,6 +49,8 @@ from sglang.srt.utils import (
 logger = logging.getLogger(__name__)
 
 _REPLACEMENT_CHAR = "\ufffd"
+# The message of a request finished because its output could not be decoded.
+DETOKENIZATION_FAILED = "detokenization failed"
 
 # BatchStrOutput fields copied unchanged from BatchTokenIDOutput.
 _PASSTHROUGH_FIELDS = (
@@ -90,21 +97,29 @@ class DetokenizerManager:
         # Rids whose decoding failed: finished for their caller, their later ids are dropped
         # until the scheduler's final message for them.
         self.failed_rids: set[str] = set()
+        # Failed rids the scheduler still runs: the event loop sends an AbortReq for each, so
+        # the scheduler frees their KV now instead of decoding them to their end.
+        self.rids_to_abort: list[str] = []
 
     def handle_batch_token_id_output(self, msg: BatchTokenIDOutput) -> BatchStrOutput:
         """Decode the new ids of every rid of ``msg``; drops the state of finished rids.
 
         Fault isolation: when decoding the batch raises, each rid is decoded alone; a rid that
         still fails is finished with ``{"type": "abort", "message": ...}`` and the others are
-        served. Raises only when even that is impossible (a malformed message).
+        served; a failed rid the scheduler still runs is queued in :attr:`rids_to_abort`.
+        Raises only when even that is impossible (a malformed message).
         """
-        saved = {rid: dataclasses.replace(self.states[rid], ids=list(self.states[rid].ids))
-                 for rid in msg.rids if rid in self.states}
+        saved = {
+            rid: dataclasses.replace(self.states[rid], ids=list(self.states[rid].ids))
+            for rid in msg.rids
+            if rid in self.states
+        }
         try:
             return self._handle_batch(msg)
         except Exception:
-            logger.exception("Decoding a batch of %d request(s) failed; isolating the failure",
-                             len(msg.rids))
+            logger.exception(
+                "Decoding a batch of %d request(s) failed; isolating the failure", len(msg.rids)
+            )
         for rid in msg.rids:  # undo the partial progress of the failed attempt
             self.states.pop(rid, None)
         self.states.update(saved)
@@ -119,10 +134,12 @@ class DetokenizerManager:
             rid = msg.rids[i]
             logger.exception("Decoding the output of %s failed; finishing it", rid)
             self.states.pop(rid, None)
-            self.failed_rids.add(rid)
+            if msg.finished_reasons[i] is None:  # the scheduler still runs it: abort it there
+                self.failed_rids.add(rid)
+                self.rids_to_abort.append(rid)
             out = self._passthrough(one, [""])
             out.finished_reasons = [
-                {"type": "abort", "message": f"detokenization failed: {type(e).__name__}: {e}"}
+                {"type": "abort", "message": f"{DETOKENIZATION_FAILED}: {type(e).__name__}: {e}"}
             ]
             return out
 
@@ -164,8 +181,9 @@ class DetokenizerManager:
         states = []
         for i, rid in enumerate(msg.rids):
             state = self.states.setdefault(rid, DecodeState())
-            state.ids.extend(_ids_for_text(msg.decode_ids[i], msg.finished_reasons[i],
-                                           msg.no_stop_trim[i]))
+            state.ids.extend(
+                _ids_for_text(msg.decode_ids[i], msg.finished_reasons[i], msg.no_stop_trim[i])
+            )
             states.append(state)
         # One batch_decode call per (skip_special_tokens, spaces_between_special_tokens) group.
         groups: dict[tuple[bool, bool], list[int]] = {}
@@ -173,8 +191,10 @@ class DetokenizerManager:
             key = (msg.skip_special_tokens[i], msg.spaces_between_special_tokens[i])
             groups.setdefault(key, []).append(i)
         for (skip, spaces), members in groups.items():
-            windows = [states[i].ids[states[i].surr_offset:states[i].read_offset] for i in members]
-            fulls = [states[i].ids[states[i].surr_offset:] for i in members]
+            windows = [
+                states[i].ids[states[i].surr_offset : states[i].read_offset] for i in members
+            ]
+            fulls = [states[i].ids[states[i].surr_offset :] for i in members]
             texts = tokenizer.batch_decode(
                 windows + fulls,
                 skip_special_tokens=skip,
@@ -199,8 +219,24 @@ class DetokenizerManager:
         scheduler sent before it (this process handles messages in order)."""
         return msg.payload
 
-    def event_loop(self, recv_socket: zmq.Socket, send_socket: zmq.Socket) -> None:
-        """Receive, decode and forward messages forever (until the process is killed)."""
+    def take_aborts(self) -> list[AbortReq]:
+        """One AbortReq per rid queued in :attr:`rids_to_abort` (the queue is emptied).
+
+        The scheduler finishes such a rid at once, freeing its KV; its final message ends the
+        rid's failure here and is not forwarded, so the caller sees one terminal output only.
+        The scheduler's reply reaches the TokenizerManager, which has no call waiting on it.
+        """
+        rids, self.rids_to_abort = self.rids_to_abort, []
+        return [AbortReq(rid=rid, aborted_message=DETOKENIZATION_FAILED) for rid in rids]
+
+    def event_loop(
+        self,
+        recv_socket: zmq.Socket,
+        send_socket: zmq.Socket,
+        scheduler_socket: zmq.Socket | None = None,
+    ) -> None:
+        """Receive, decode and forward messages forever (until the process is killed).
+        ``scheduler_socket`` (to the scheduler's input) carries the aborts of failed rids."""
         dispatcher = TypeBasedDispatcher(
             [
                 (BatchTokenIDOutput, self.handle_batch_token_id_output),
@@ -212,9 +248,12 @@ class DetokenizerManager:
                 out = dispatcher(loads(recv_socket.recv()))
             except Exception:  # a malformed message: nothing to send for it, keep serving
                 logger.exception("Dropped a message the detokenizer cannot handle")
-                continue
-            if not isinstance(out, BatchStrOutput) or out.rids:  # a batch may end up empty
-                send_socket.send(dumps(out))
+                out = None
+            if out is not None and (not isinstance(out, BatchStrOutput) or out.rids):
+                send_socket.send(dumps(out))  # (a batch may end up empty)
+            for abort in self.take_aborts():
+                if scheduler_socket is not None:
+                    scheduler_socket.send(dumps(abort))
 
 
 def _select(msg: Any, i: int) -> Any:
@@ -243,8 +282,11 @@ def _concat_tokens(parts: list[BatchTokenIDOutput], template: BatchTokenIDOutput
     """``parts`` as one message; with none, ``template`` with every per-rid list empty."""
     if parts:
         return _concat(parts)
-    empty: dict[str, Any] = {f.name: [] for f in dataclasses.fields(template)
-                             if isinstance(getattr(template, f.name), list)}
+    empty: dict[str, Any] = {
+        f.name: []
+        for f in dataclasses.fields(template)
+        if isinstance(getattr(template, f.name), list)
+    }
     return dataclasses.replace(template, **empty)
 
 
@@ -268,7 +310,7 @@ def _advance(state: DecodeState, prefix_text: str, full_text: str, finished: boo
     """Move the confirmed text forward unless the new text ends in a partial character."""
     if not finished and full_text.endswith(_REPLACEMENT_CHAR):
         return
-    state.decoded_text += full_text[len(prefix_text):]
+    state.decoded_text += full_text[len(prefix_text) :]
     state.surr_offset = state.read_offset
     state.read_offset = len(state.ids)
 
@@ -277,7 +319,7 @@ def _emit_running(state: DecodeState, stop_str_max_len: int) -> str:
     """New text of a running rid, holding back what could be the start of a stop string."""
     end = len(state.decoded_text) - max(stop_str_max_len - 1, 0)
     end = max(end, state.sent_len)
-    delta = state.decoded_text[state.sent_len:end]
+    delta = state.decoded_text[state.sent_len : end]
     state.sent_len = end
     return delta
 
@@ -290,7 +332,7 @@ def _emit_finished(state: DecodeState, reason: dict[str, Any], no_stop_trim: boo
         pos = text.find(matched)
         if pos >= 0:
             text = text[:pos]
-    return text[state.sent_len:]
+    return text[state.sent_len :]
 
 
 def exit_when_parent_dies(poll_s: float = 1.0) -> None:
@@ -317,11 +359,12 @@ def run_detokenizer_process(
     """Entry point of the detokenizer subprocess; runs until killed.
 
     PULL binds ``port_args.detokenizer_ipc_name`` (from the scheduler) and PUSH connects to
-    ``port_args.tokenizer_ipc_name`` (the TokenizerManager). Once the tokenizer is loaded it
-    sends ``{"status": "ready"}`` through ``pipe_writer``; a failure before that is sent as
-    ``{"status": "error", "message": ...}`` so that the launcher reports the cause itself. A
-    later exception is logged and ends the process with a non-zero code, which the
-    TokenizerManager's liveness check reports.
+    ``port_args.tokenizer_ipc_name`` (the TokenizerManager); a second PUSH to
+    ``port_args.scheduler_input_ipc_name`` aborts the requests whose decoding failed. Once
+    the tokenizer is loaded it sends ``{"status": "ready"}`` through ``pipe_writer``; a
+    failure before that is sent as ``{"status": "error", "message": ...}`` so that the
+    launcher reports the cause itself. A later exception is logged and ends the process with
+    a non-zero code, which the TokenizerManager's liveness check reports.
     """
     configure_logger(server_args.log_level, prefix=" Detokenizer")
     exit_when_parent_dies()
@@ -329,16 +372,16 @@ def run_detokenizer_process(
 
     context = zmq.Context(2)
     try:
-        recv_socket = get_zmq_socket(
-            context, zmq.PULL, port_args.detokenizer_ipc_name, bind=True
-        )
-        send_socket = get_zmq_socket(
-            context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False
+        recv_socket = get_zmq_socket(context, zmq.PULL, port_args.detokenizer_ipc_name, bind=True)
+        send_socket = get_zmq_socket(context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False)
+        scheduler_socket = get_zmq_socket(
+            context, zmq.PUSH, port_args.scheduler_input_ipc_name, bind=False
         )
         tokenizer = None
         if not server_args.skip_tokenizer_init:
-            tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path,
-                                      server_args.trust_remote_code)
+            tokenizer = get_tokenizer(
+                server_args.tokenizer_path or server_args.model_path, server_args.trust_remote_code
+            )
     except Exception as e:  # reported to the launcher verbatim, like the scheduler's
         logger.exception("Detokenizer failed to start")
         pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
@@ -346,7 +389,7 @@ def run_detokenizer_process(
     pipe_writer.send({"status": "ready"})
     pipe_writer.close()
     try:
-        DetokenizerManager(tokenizer).event_loop(recv_socket, send_socket)
+        DetokenizerManager(tokenizer).event_loop(recv_socket, send_socket, scheduler_socket)
     except Exception:
         logger.exception("Detokenizer failed")
         raise

@@ -66,7 +66,7 @@ from sglang.srt.managers.request_validation import (
     tokenize_texts,
     validate_request,
 )
-from sglang.srt.managers.tokenizer_req_state import ReqState
+from sglang.srt.managers.tokenizer_req_state import ReqState, logprob_entries
 from sglang.srt.managers.weights_update_group import WeightsUpdateGroups
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils import TypeBasedDispatcher, dumps, loads
@@ -85,6 +85,11 @@ _WATCH_INTERVAL_S = 0.5
 # After an abort that the scheduler says ended nothing, a still-unfinished targeted request is
 # finished locally after this grace period (its final output may be in flight meanwhile).
 _ABORT_GRACE_S = 1.0
+# Outputs bigger than these (pickled bytes; logprob entries, see ``logprob_entries``) are
+# unpickled / turned into logprob rows in a worker thread: inline, the biggest allowed (a
+# context-length prompt with 128 top logprobs per position) would block the loop for seconds.
+_OFFLOAD_MESSAGE_BYTES = 1 << 20
+_OFFLOAD_LOGPROB_ENTRIES = 16384
 
 
 class EnginePausedError(RuntimeError):
@@ -461,9 +466,11 @@ class TokenizerManager:
             named = await asyncio.to_thread(self.weights_update_groups.receive, obj)
         except (ValueError, RuntimeError) as e:
             return False, f"Failed to receive the weights: {e}"
-        out = await self.update_weights_from_tensor(UpdateWeightsFromTensorReqInput(
-            named, obj.load_format, obj.flush_cache, obj.abort_all_requests, obj.weight_version
-        ))
+        out = await self.update_weights_from_tensor(
+            UpdateWeightsFromTensorReqInput(
+                named, obj.load_format, obj.flush_cache, obj.abort_all_requests, obj.weight_version
+            )
+        )
         return out.success, out.message
 
     async def destroy_weights_update_group(
@@ -526,23 +533,66 @@ class TokenizerManager:
 
     # ---- receiving ---------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
+        """Handle the messages one after the other, in arrival order. A big one is unpickled
+        and turned into logprob rows in a worker thread, awaited here: the loop (``/health``,
+        other callers) keeps running meanwhile and later messages still wait their turn."""
         sock = self._recv_socket
         assert sock is not None, "started before receiving"
         while True:
             data = await sock.recv()
             try:
-                self._dispatcher(loads(data))
+                if len(data) > _OFFLOAD_MESSAGE_BYTES:
+                    msg = await asyncio.to_thread(loads, data)
+                else:
+                    msg = loads(data)
+                if (
+                    isinstance(msg, BatchStrOutput)
+                    and logprob_entries(msg) > _OFFLOAD_LOGPROB_ENTRIES
+                ):
+                    await self._handle_big_batch_str_output(msg)
+                else:
+                    self._dispatcher(msg)
             except Exception:
                 logger.exception("Failed to handle a message from the scheduler/detokenizer")
 
-    def _handle_batch_str_output(self, msg: BatchStrOutput) -> None:
-        """Accumulate each rid's increment and wake its waiter; unknown rids are ignored."""
+    async def _handle_big_batch_str_output(self, msg: BatchStrOutput) -> None:
+        """:meth:`_handle_batch_str_output` with the logprob rows built in a worker thread."""
+        states = {
+            i: state
+            for i, rid in enumerate(msg.rids)
+            if (state := self.rid_to_state.get(rid)) is not None and not state.finished
+        }
+
+        def build() -> dict[int, tuple[ReqState, dict[str, list] | Exception]]:
+            built: dict[int, tuple[ReqState, dict[str, list] | Exception]] = {}
+            for i, state in states.items():
+                try:
+                    built[i] = (state, state.logprob_rows(msg, i))
+                except Exception as e:  # fails this request alone, on the loop
+                    built[i] = (state, e)
+            return built
+
+        self._handle_batch_str_output(msg, await asyncio.to_thread(build))
+
+    def _handle_batch_str_output(
+        self,
+        msg: BatchStrOutput,
+        prebuilt: dict[int, tuple[ReqState, dict[str, list] | Exception]] | None = None,
+    ) -> None:
+        """Accumulate each rid's increment and wake its waiter; unknown rids are ignored.
+        ``prebuilt``: entry index -> (its state, its logprob rows or the error building them)."""
         for i, rid in enumerate(msg.rids):
             state = self.rid_to_state.get(rid)
             if state is None or state.finished:
                 continue
             try:
-                state.apply(msg, i)
+                rows = None
+                if prebuilt is not None and i in prebuilt and prebuilt[i][0] is state:
+                    built = prebuilt[i][1]
+                    if isinstance(built, Exception):
+                        raise built
+                    rows = built
+                state.apply(msg, i, rows)
             except Exception as e:  # one bad increment fails its own request only
                 logger.exception("Failed to apply the output of %s", rid)
                 state.error = f"failed to assemble the output: {e!r}"
@@ -636,4 +686,10 @@ class TokenizerManager:
         if not enabled or self.tokenizer is None:
             return None
         tokenizer = self.tokenizer
-        return lambda ids: tokenizer.batch_decode([[i] for i in ids])
+
+        def decode(ids: list[int]) -> list[str]:
+            unique = list(dict.fromkeys(ids))  # top logprobs repeat ids: decode each once
+            texts = dict(zip(unique, tokenizer.batch_decode([[i] for i in unique])))
+            return [texts[i] for i in ids]
+
+        return decode

@@ -77,21 +77,19 @@ class ReqState:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
-    def apply(self, msg: BatchStrOutput, i: int) -> None:
-        """Add entry ``i`` of ``msg`` (this rid's increment) to the totals."""
+    def apply(self, msg: BatchStrOutput, i: int, rows: dict[str, list] | None = None) -> None:
+        """Add entry ``i`` of ``msg`` (this rid's increment) to the totals. ``rows``: its
+        :meth:`logprob_rows`, when already built (in a worker thread, for a big payload)."""
+        if rows is None:
+            rows = self.logprob_rows(msg, i)
         self.text += msg.output_strs[i]
         self.output_ids.extend(msg.output_ids[i])
         self.prompt_tokens = msg.prompt_tokens[i]
         self.completion_tokens = msg.completion_tokens[i]
         self.cached_tokens = msg.cached_tokens[i]
         self.retractions = msg.retraction_counts[i]
-        if self.return_logprob:
-            for key in _LOGPROB_KEYS:
-                if key.endswith("top_logprobs") and self.top_logprobs_num <= 0:
-                    continue
-                vals, idxs = getattr(msg, key + "_val"), getattr(msg, key + "_idx")
-                if vals is not None and vals[i]:
-                    self.logprobs[key].extend(self._rows(key, vals[i], idxs[i]))
+        for key, new_rows in rows.items():
+            self.logprobs[key].extend(new_rows)
         if self.return_entropy and msg.output_token_entropy_val is not None:
             self.entropy.extend(msg.output_token_entropy_val[i])
         self._add_weight_spans(msg, i)
@@ -124,6 +122,24 @@ class ReqState:
         self.finished_reason = reason
         self.finished_time = time.perf_counter()
         self.dirty = True
+
+    def logprob_rows(self, msg: BatchStrOutput, i: int) -> dict[str, list]:
+        """The logprob rows of entry ``i`` of ``msg``, by output key (see :meth:`_rows`).
+
+        Reads only ``msg`` and settings fixed at creation, and changes nothing: it may run in
+        a worker thread while the owning loop goes on (the TokenizerManager does so for big
+        payloads, where building rows takes seconds).
+        """
+        rows: dict[str, list] = {}
+        if not self.return_logprob:
+            return rows
+        for key in _LOGPROB_KEYS:
+            if key.endswith("top_logprobs") and self.top_logprobs_num <= 0:
+                continue
+            vals, idxs = getattr(msg, key + "_val"), getattr(msg, key + "_idx")
+            if vals is not None and vals[i]:
+                rows[key] = self._rows(key, vals[i], idxs[i])
+        return rows
 
     def _rows(self, key: str, vals: list, idxs: list) -> list:
         """``[[logprob, id, text], ...]`` rows, or for top logprobs one list of rows per
@@ -173,3 +189,21 @@ class ReqState:
         out["output_ids"] = list(self.output_ids)
         out["meta_info"] = meta
         return out
+
+
+def logprob_entries(msg: BatchStrOutput) -> int:
+    """How many logprob entries ``msg`` carries over all its rids: a measure of the work of
+    building their rows (each top-logprob candidate counts as one entry)."""
+    total = 0
+    for key in _LOGPROB_KEYS:
+        vals = getattr(msg, key + "_val")
+        if vals is None:
+            continue
+        for per_rid in vals:
+            if not per_rid:
+                continue
+            if key.endswith("top_logprobs"):
+                total += sum(len(pos) for pos in per_rid if pos)
+            else:
+                total += len(per_rid)
+    return total

@@ -90,3 +90,57 @@ def test_pack_now_covers_layers_and_lm_head() -> None:
     nbytes = pack_now(model)
     assert nbytes >= 4 * (64 * 32 + 2 * 100 * 32)
     assert all(p.nbytes > 0 for p in packers)
+
+
+@pytest.mark.parametrize("rows", [1, 33])
+def test_bf16_through_float32_copies(rows: int) -> None:
+    """The path for CPUs without native bfloat16: float32 packed copy, bfloat16 output that
+    agrees with the native bfloat16 product up to summation order."""
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(64, 48, generator=gen).bfloat16()
+    bias = torch.randn(64, generator=gen).bfloat16()
+    x = torch.randn(rows, 48, generator=gen).bfloat16()
+    packer = PackedLinear(upcast_bf16=True)
+    got = packer(x, weight, bias)
+    assert got.dtype == torch.bfloat16
+    assert packer.nbytes == 4 * weight.numel()  # a float32 copy
+    expected = (F.linear(x.float(), weight.float(), bias.float())).bfloat16()
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got, PackedLinear()(x, weight, bias), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "mode", "packed_dtype"),
+    [
+        ("float32", "auto", torch.float32),
+        ("bfloat16", "bf16", torch.bfloat16),
+        ("bfloat16", "fp32", torch.float32),
+    ],
+)
+def test_model_runner_packs_every_linear(
+    tiny_model_dir, dtype: str, mode: str, packed_dtype: torch.dtype
+) -> None:
+    """The model runner packs every linear layer at start-up (so the first request pays
+    nothing), in the dtype --cpu-bf16-linear asks for; none when prepack is disabled."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.server_args import ServerArgs
+
+    path = str(tiny_model_dir())
+    args = ServerArgs(
+        model_path=path, device="cpu", dtype=dtype, max_total_tokens=64, cpu_bf16_linear=mode
+    )
+    runner = ModelRunner(args, ModelConfig(path, dtype=dtype, device="cpu"))
+    assert runner.weight_packers and all(p.nbytes > 0 for p in runner.weight_packers)
+    assert all(p.packed_dtype == packed_dtype for p in runner.weight_packers)
+    runner.release_weights()
+    assert all(p.nbytes == 0 for p in runner.weight_packers)
+
+    args = ServerArgs(
+        model_path=path,
+        device="cpu",
+        dtype=dtype,
+        max_total_tokens=64,
+        disable_cpu_weight_prepack=True,
+    )
+    assert ModelRunner(args, ModelConfig(path, dtype=dtype, device="cpu")).weight_packers == []

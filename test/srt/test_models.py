@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from sglang.srt.layers.attention import get_attention_backend_class, torch_native_backend
 from sglang.srt.layers.attention.decode_kv_mirror import DecodeKVMirror, MirrorPlan
 from sglang.srt.layers.attention.torch_native_backend import group_by_length
+from sglang.srt.layers.cpu_prepack import enable_cpu_weight_prepack
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import linear
 from sglang.srt.layers.logits_processor import LogitsProcessor
@@ -64,8 +67,8 @@ def models(request: pytest.FixtureRequest) -> tuple[torch.nn.Module, torch.nn.Mo
     return hf_model, load_from_hf(get_model_class(hf_model.config.architectures), hf_model)
 
 
-def test_prefill_last_token_logits_match_hf(models) -> None:
-    hf_model, model = models
+def test_prefill_last_token_logits_match_hf(models_both_linears) -> None:
+    hf_model, model = models_both_linears
     builder = BatchBuilder(model.config)
     out = builder.run(model, builder.extend([(f"r{i}", p) for i, p in enumerate(PROMPTS)]))
     assert out.next_token_logits.shape == (3, model.config.vocab_size)
@@ -75,8 +78,21 @@ def test_prefill_last_token_logits_match_hf(models) -> None:
     assert out.input_token_logprobs is None
 
 
-def test_greedy_decode_matches_hf(models) -> None:
+@pytest.fixture(params=["plain", "prepacked"])
+def models_both_linears(
+    request: pytest.FixtureRequest, models: tuple[torch.nn.Module, torch.nn.Module]
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Each model as loaded, and with the oneDNN-prepacked linear layers the model runner
+    enables on CPU (the same parameters: packing copies them)."""
     hf_model, model = models
+    if request.param == "prepacked":
+        model = copy.deepcopy(model)
+        enable_cpu_weight_prepack(model)
+    return hf_model, model
+
+
+def test_greedy_decode_matches_hf(models_both_linears) -> None:
+    hf_model, model = models_both_linears
     num_steps = 6
     builder = BatchBuilder(model.config)
     rids = [f"r{i}" for i in range(len(PROMPTS))]
@@ -348,7 +364,8 @@ def test_partial_weight_update_with_strict_false() -> None:
     assert torch.equal(bias[:q_size], expected_q)
 
 
-def test_bfloat16_prefill_and_decode() -> None:
+@pytest.mark.parametrize("linears", ["plain", "prepacked", "prepacked_fp32"])
+def test_bfloat16_prefill_and_decode(linears: str) -> None:
     hf_model = make_hf_model("qwen3")
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # how the model loader builds a bf16 model
@@ -359,6 +376,8 @@ def test_bfloat16_prefill_and_decode() -> None:
     model.load_weights(hf_model.state_dict().items())
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert model.model.layers[0].self_attn.rotary_emb._cos_sin.dtype == torch.float32
+    if linears != "plain":
+        enable_cpu_weight_prepack(model, upcast_bf16=linears == "prepacked_fp32")
     builder = BatchBuilder(model.config, dtype=torch.bfloat16)
     rids = ["a", "b", "c"]
     out = builder.run(model, builder.extend(list(zip(rids, PROMPTS))))

@@ -160,6 +160,15 @@ class ServerArgs:
         "oneDNN's blocked layout (the packed copies run the linear layers 1.3-1.8x faster "
         "and take as much memory again as the weights; the log states how much).",
     )
+    cpu_bf16_linear: str = _arg(
+        "auto",
+        "How a bfloat16 model's linear layers compute on CPU: bf16 (oneDNN's bfloat16 "
+        "kernels), fp32 (float32 copies of the weights, packed once, results rounded back to "
+        "bfloat16; the copies take twice the bfloat16 weights' memory, stated in the log) or "
+        "auto: fp32 on a CPU without native bfloat16 (no AVX512-BF16 or AMX), where it is "
+        "faster, else bf16. Needs the weight prepack (see --disable-cpu-weight-prepack).",
+        choices=("auto", "bf16", "fp32"),
+    )
     random_seed: int = _arg(
         None, "Seed of the engine; requests without sampling_seed derive theirs from it."
     )

@@ -11,6 +11,12 @@ cores (SmolLM2-135M's 120 layer matrices, weights streamed from memory as in a r
     bfloat16, 1 row    19 ms      14 ms
     bfloat16, 64 rows  59 ms      47 ms
 
+On a CPU without native bfloat16 arithmetic (no AVX512-BF16 or AMX: an AVX2 host), oneDNN's
+bfloat16 GEMM emulates it at a fraction of the float32 rate, so a bfloat16 model would run slower
+than a float32 one. There the packed copy is made in float32 instead (``upcast_bf16``): the
+product is computed in float32 from the bfloat16 values and rounded back to bfloat16, which is
+the accumulation oneDNN's native kernel does too, so results agree up to summation order.
+
 The packed copy sits beside the parameter (which weight loaders, ``get_weights_by_name`` and
 weight updates keep using), so weights take twice their memory: the model runner logs the
 cost. A :class:`PackedLinear` repacks whenever its weight changes, detected through the
@@ -32,6 +38,11 @@ _ROWS_HINT = 64
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def native_bf16_supported() -> bool:
+    """Whether oneDNN has native bfloat16 kernels on this CPU (AVX512-BF16 or AMX)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def prepack_supported() -> bool:
     """Whether this torch build has the oneDNN linear ops (a CPU build with mkldnn)."""
     return torch.backends.mkldnn.is_available() and hasattr(
@@ -46,9 +57,12 @@ class PackedLinear:
     repacks when that weight's storage, shape, dtype or version changes. Inputs it cannot take
     (another dtype or device, an inference-mode weight without a version counter) go through
     the plain :func:`~sglang.srt.layers.linear.linear`, with the same result up to rounding.
+    With ``upcast_bf16`` a bfloat16 weight is packed in float32 and the product computed in
+    float32 (the output is still bfloat16).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, upcast_bf16: bool = False) -> None:
+        self.upcast_bf16 = upcast_bf16
         self._key: tuple[int, int, torch.dtype, tuple[int, ...]] | None = None
         self._packed: torch.Tensor | None = None
 
@@ -58,7 +72,11 @@ class PackedLinear:
         packed = self.packed_weight(weight) if x.dtype == weight.dtype else None
         if packed is None:
             return linear(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        if packed.dtype == x.dtype:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        bias32 = None if bias is None else bias.float()
+        out = torch.ops.mkldnn._linear_pointwise(x.float(), packed, bias32, "none", [], "")
+        return out.to(x.dtype)
 
     def packed_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The packed copy of ``weight`` (packed now if it changed), or None if it cannot be."""
@@ -73,13 +91,21 @@ class PackedLinear:
         key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
         if key != self._key or self._packed is None:
             self._packed = None  # free the old copy before making the new one
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
+            source = weight.detach()
+            if self.upcast_bf16 and source.dtype == torch.bfloat16:
+                source = source.float()
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(source, _ROWS_HINT)
             self._key = key
         return self._packed
 
     def clear(self) -> None:
         """Drop the packed copy (it is made again by the next call)."""
         self._key, self._packed = None, None
+
+    @property
+    def packed_dtype(self) -> torch.dtype | None:
+        """The dtype of the packed copy (None when there is none)."""
+        return None if self._packed is None else self._packed.dtype
 
     @property
     def nbytes(self) -> int:
@@ -89,8 +115,9 @@ class PackedLinear:
         return self._packed.numel() * self._packed.element_size()
 
 
-def enable_cpu_weight_prepack(model: nn.Module) -> list[PackedLinear]:
-    """Give every module with a ``linear_fn`` hook its own :class:`PackedLinear`.
+def enable_cpu_weight_prepack(model: nn.Module, upcast_bf16: bool = False) -> list[PackedLinear]:
+    """Give every module with a ``linear_fn`` hook its own :class:`PackedLinear`
+    (``upcast_bf16``: float32 copies of bfloat16 weights, see the module docstring).
 
     Returns the new functions, so that the caller can pack them eagerly (see
     :func:`pack_now`) and clear them when the weights are released.
@@ -98,7 +125,7 @@ def enable_cpu_weight_prepack(model: nn.Module) -> list[PackedLinear]:
     packers = []
     for module in model.modules():
         if isinstance(module, LinearHook):
-            packer = PackedLinear()
+            packer = PackedLinear(upcast_bf16)
             module.linear_fn = packer
             packers.append(packer)
     return packers

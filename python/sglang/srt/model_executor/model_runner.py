@@ -16,6 +16,7 @@ from sglang.srt.layers.batch_invariant import enable_batch_invariant_mode
 from sglang.srt.layers.cpu_prepack import (
     PackedLinear,
     enable_cpu_weight_prepack,
+    native_bf16_supported,
     pack_now,
     prepack_supported,
 )
@@ -76,7 +77,7 @@ class ModelRunner:
             kernels = "triton" if server_args.attention_backend == "triton" else "torch"
             if not enable_batch_invariant_mode(self.model, kernels):
                 raise RuntimeError("deterministic mode: the model has no switchable linear layer")
-        self._packers = self._enable_prepack()
+        self.weight_packers = self._enable_prepack()
         self.attn_backend = get_attention_backend_class(backend)()
         logsumexp = get_logsumexp(server_args.sampling_backend)
         for module in self.model.modules():
@@ -100,13 +101,18 @@ class ModelRunner:
             or not prepack_supported()
         ):
             return []
-        packers = enable_cpu_weight_prepack(self.model)
+        upcast = self.dtype == torch.bfloat16 and (
+            args.cpu_bf16_linear == "fp32"
+            or (args.cpu_bf16_linear == "auto" and not native_bf16_supported())
+        )
+        packers = enable_cpu_weight_prepack(self.model, upcast_bf16=upcast)
         nbytes = pack_now(self.model)
         logger.info(
-            "CPU weight prepack: %d linear layers, %.1f MiB of packed copies "
+            "CPU weight prepack: %d linear layers, %.1f MiB of packed %s copies "
             "(--disable-cpu-weight-prepack saves it)",
             len(packers),
             nbytes / 2**20,
+            "float32" if upcast else str(self.dtype).removeprefix("torch."),
         )
         return packers
 
@@ -156,7 +162,7 @@ class ModelRunner:
     def release_weights(self) -> None:
         """Free every parameter's storage (the Parameter objects, their shapes and weight
         loaders stay); nothing runs until :meth:`resume_weights`."""
-        for packer in self._packers:
+        for packer in self.weight_packers:
             packer.clear()
         for name, param in self.model.named_parameters():
             self._released_shapes[name] = param.shape

@@ -127,6 +127,29 @@ def test_update_weights_from_distributed_broadcast(engine: sgl.Engine) -> None:
     success, message = asyncio.run(update())
     assert success, message
     assert torch.equal(torch.tensor(engine.get_weights_by_name(Q_PROJ, 10**6)), new)
+
+    # miles' and slime's form: one broadcast of a whole FlattenedTensorBucket (mixed dtypes).
+    k_new = torch.randn_like(_weight(engine, K_PROJ))
+    bucket = FlattenedTensorBucket(named_tensors=[(Q_PROJ, original), (K_PROJ, k_new.double())])
+
+    async def update_bucket() -> tuple[bool, str]:
+        obj = UpdateWeightsFromDistributedReqInput(
+            names=[Q_PROJ, K_PROJ], dtypes=["float32", "float64"],
+            shapes=[list(original.shape), list(k_new.shape)], group_name="sync",
+            load_format="flattened_bucket")
+        receiving = asyncio.ensure_future(tm.update_weights_from_distributed(obj, None))
+        flat = bucket.get_flattened_tensor()
+        await asyncio.to_thread(lambda: trainer_group[0].broadcast(flat, 0).wait())
+        return await receiving
+
+    success, message = asyncio.run(update_bucket())
+    assert success, message
+    assert torch.equal(_weight(engine, Q_PROJ), original)
+    torch.testing.assert_close(_weight(engine, K_PROJ), k_new)
+    wrong = UpdateWeightsFromDistributedReqInput(name=Q_PROJ, dtype="float32", shape=[1],
+                                                 group_name="sync", load_format="bogus")
+    success, message = asyncio.run(tm.update_weights_from_distributed(wrong))
+    assert not success and "bogus" in message
     missing = UpdateWeightsFromDistributedReqInput(name=Q_PROJ, dtype="float32", shape=[1],
                                                    group_name="nope")
     success, message = asyncio.run(tm.update_weights_from_distributed(missing))

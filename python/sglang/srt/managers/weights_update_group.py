@@ -73,21 +73,38 @@ class WeightsUpdateGroups:
         if obj.group_name not in self._groups:
             raise ValueError(f"no weights update group {obj.group_name!r}; initialize it first")
         group, device = self._groups[obj.group_name]
+        if obj.load_format not in _DISTRIBUTED_LOAD_FORMATS:
+            raise ValueError(
+                f"unsupported load_format {obj.load_format!r} for update_weights_from_distributed;"
+                " use None or 'flattened_bucket'"
+            )
         names, dtypes, shapes = _specs(obj)
         received = []
         for name, dtype_name, shape in zip(names, dtypes, shapes, strict=True):
             dtype = getattr(torch, str(dtype_name).removeprefix("torch."), None)
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"unknown dtype {dtype_name!r} for {name!r}")
-            tensor = torch.empty(list(shape), dtype=dtype, device=device)
+            received.append((name, torch.empty(list(shape), dtype=dtype, device=device)))
+        if obj.load_format == "flattened_bucket":
+            # One broadcast of the whole bucket: the sender flattens the same names, dtypes and
+            # shapes with FlattenedTensorBucket, so both sides lay it out alike.
+            from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+            bucket = FlattenedTensorBucket(named_tensors=received)
+            group.broadcast(bucket.get_flattened_tensor(), 0).wait()
+            return bucket.reconstruct_tensors()
+        for _, tensor in received:
             group.broadcast(tensor, 0).wait()
-            received.append((name, tensor))
         return received
 
     def destroy(self, group_name: str) -> None:
         """Leave group ``group_name``. ValueError when it was never joined."""
         if self._groups.pop(group_name, None) is None:
             raise ValueError(f"no weights update group {group_name!r}")
+
+
+# None / "direct": one broadcast per tensor; "flattened_bucket": one for all (miles, slime).
+_DISTRIBUTED_LOAD_FORMATS = (None, "auto", "direct", "flattened_bucket")
 
 
 def _specs(obj: UpdateWeightsFromDistributedReqInput) -> tuple[list[Any], list[Any], list[Any]]:

@@ -38,6 +38,13 @@ def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
         parser.error(str(e))
 
 
+def run_server(server_args: ServerArgs) -> None:
+    """Serve HTTP until interrupted (upstream's name for ``http_server.launch_server``)."""
+    from sglang.srt.entrypoints.http_server import launch_server
+
+    launch_server(server_args)
+
+
 def main(argv: list[str] | None = None) -> None:
     server_args = parse_server_args(argv)
     from sglang.srt.entrypoints.http_server import launch_server

@@ -169,6 +169,29 @@ def _kill_processes(procs: list[BaseProcess]) -> None:
             proc.join(_SHUTDOWN_STEP_TIMEOUT_S)
 
 
+# Upstream's launch API, which RL frameworks import from this module (launch_compat.py),
+# resolved on first use: the scheduler's module must not be imported into the launcher early.
+_LAZY_NAMES = {
+    "_launch_subprocesses": "sglang.srt.entrypoints.launch_compat",
+    "init_tokenizer_manager": "sglang.srt.entrypoints.launch_compat",
+    "run_scheduler_process": "sglang.srt.managers.scheduler_process",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def kill_engine_processes(procs: list[BaseProcess], port_args: PortArgs) -> None:
+    """Kill the engine's processes (with their descendants), then remove the IPC directory."""
+    _kill_processes(procs)
+    remove_ipc_dir(port_args)
+
+
 def remove_ipc_dir(port_args: PortArgs) -> None:
     """Remove the private directory of the IPC sockets (after the processes are gone)."""
     path = port_args.tokenizer_ipc_name.removeprefix("ipc://")

@@ -33,6 +33,8 @@ from sglang.srt.entrypoints.http_guard import (
 )
 from sglang.srt.entrypoints.http_shutdown import GracefulServer
 from sglang.srt.entrypoints.http_weights import router as weights_router
+from sglang.srt.entrypoints.launch_compat import _GlobalState
+from sglang.srt.entrypoints.launch_compat import _launch_subprocesses as _launch_subprocesses
 from sglang.srt.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,6 +55,7 @@ from sglang.srt.managers.io_struct import (
     GenerateReqInput,
     PauseGenerationReqInput,
 )
+from sglang.srt.managers.tokenizer_manager import ServerStatus
 from sglang.srt.managers.tokenizer_manager_protocol import (
     TokenizerManagerProtocol,
     tokenizer_manager_of,
@@ -188,6 +191,8 @@ async def health(request: Request) -> Response:
     dead = [p.pid for p in state.processes if not p.is_alive()]
     if dead:
         return error_response(f"Engine process(es) {dead} died", 503)
+    if getattr(state.tokenizer_manager, "server_status", None) is ServerStatus.UnHealthy:
+        return error_response("The server is marked unhealthy", 503)
     return Response(status_code=200)
 
 
@@ -352,6 +357,8 @@ def _probe_request(tm: TokenizerManagerProtocol, rid: str) -> GenerateReqInput:
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Start the TokenizerManager inside uvicorn's loop; announce readiness in the background."""
     state = app.state
+    if getattr(state, "tokenizer_manager", None) is None:
+        raise RuntimeError("this app serves no engine: call set_global_state() before serving it")
     state.tokenizer_manager.start()
     state.tokenizer_manager.watch_processes(list(state.processes))
     task = None
@@ -410,20 +417,26 @@ def _fastapi_kwargs() -> dict[str, Any]:
     return {}
 
 
-def create_app(
-    tokenizer_manager: TokenizerManagerProtocol,
-    server_args: ServerArgs,
-    processes: list[Any] | None = None,
-    scheduler_info: dict[str, Any] | None = None,
-    ready: bool = True,
-) -> FastAPI:
-    """The FastAPI app serving ``tokenizer_manager``.
-
-    ``processes`` (objects with ``pid`` and ``is_alive()``) are watched by /health. With
-    ``ready=False``, /health answers 503 until the warm-up run by ``launch_server`` is done.
-    """
+def _new_app() -> FastAPI:
+    """An app with every route and error handler, serving no engine yet (see :func:`_attach`)."""
     app = FastAPI(title="SGLang", version=sglang.__version__, lifespan=_lifespan,
                   **_fastapi_kwargs())
+    app.include_router(router)
+    app.include_router(weights_router)
+    app.include_router(compat_router)
+    add_error_handlers(app)
+    return app
+
+
+def _attach(
+    app: FastAPI,
+    tokenizer_manager: TokenizerManagerProtocol,
+    server_args: ServerArgs,
+    processes: list[Any] | None,
+    scheduler_info: dict[str, Any] | None,
+    ready: bool,
+) -> FastAPI:
+    """Make ``app`` serve ``tokenizer_manager`` (its state and the guard middleware)."""
     metrics = ServerMetrics() if server_args.enable_metrics else NoMetrics()
     observer = RequestObserver(metrics, server_args.log_requests)
     state = app.state
@@ -440,13 +453,40 @@ def create_app(
     state.serving_chat = OpenAIServingChat(
         tokenizer_manager, observer, _read_chat_template(server_args.chat_template)
     )
-    app.include_router(router)
-    app.include_router(weights_router)
-    app.include_router(compat_router)
-    add_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=server_args.api_key,
                        allowed_hosts=HostAllowList(server_args.allowed_hosts, server_args.host))
     return app
+
+
+def create_app(
+    tokenizer_manager: TokenizerManagerProtocol,
+    server_args: ServerArgs,
+    processes: list[Any] | None = None,
+    scheduler_info: dict[str, Any] | None = None,
+    ready: bool = True,
+) -> FastAPI:
+    """The FastAPI app serving ``tokenizer_manager``.
+
+    ``processes`` (objects with ``pid`` and ``is_alive()``) are watched by /health. With
+    ``ready=False``, /health answers 503 until the warm-up run by ``launch_server`` is done.
+    """
+    return _attach(_new_app(), tokenizer_manager, server_args, processes, scheduler_info, ready)
+
+
+# Upstream's module-level app, for launchers that serve it themselves (verl's server mode):
+# ``_launch_subprocesses`` starts an engine, ``set_global_state`` attaches it here, and the
+# caller runs uvicorn on ``app``. launch_server builds its own app with create_app.
+app = _new_app()
+
+
+def set_global_state(global_state: _GlobalState) -> None:
+    """Attach the engine launched by ``_launch_subprocesses`` to the module-level ``app``
+    (upstream's name). RuntimeError when an engine is attached already."""
+    if getattr(app.state, "tokenizer_manager", None) is not None:
+        raise RuntimeError("set_global_state: the module-level app already serves an engine")
+    tokenizer_manager = global_state.tokenizer_manager
+    _attach(app, tokenizer_manager, tokenizer_manager.server_args,
+            tokenizer_manager.watched_processes, global_state.scheduler_info, ready=True)
 
 
 def launch_server(server_args: ServerArgs) -> None:

@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -92,6 +93,15 @@ _OFFLOAD_MESSAGE_BYTES = 1 << 20
 _OFFLOAD_LOGPROB_ENTRIES = 16384
 
 
+class ServerStatus(Enum):
+    """Upstream's health flag of a TokenizerManager (``tokenizer_manager.server_status``); a
+    launcher that sets ``UnHealthy`` makes /health answer 503."""
+
+    Up = "Up"
+    Starting = "Starting"
+    UnHealthy = "UnHealthy"
+
+
 class EnginePausedError(RuntimeError):
     """A generate request arrived while paused and ``--paused-admission reject`` is set."""
 
@@ -107,6 +117,7 @@ class TokenizerManager:
 
     def __init__(self, server_args: ServerArgs, port_args: PortArgs, scheduler_info: dict) -> None:
         self.server_args = server_args
+        self.server_status = ServerStatus.Up
         self.port_args = port_args
         self.scheduler_info = scheduler_info
         self.model_path = server_args.model_path
@@ -180,6 +191,11 @@ class TokenizerManager:
     def watch_processes(self, procs: list[Any]) -> None:
         """Fail every caller when one of ``procs`` (objects with ``is_alive()``) exits."""
         self._procs = list(procs)
+
+    @property
+    def watched_processes(self) -> list[Any]:
+        """The processes given to :meth:`watch_processes`."""
+        return list(self._procs)
 
     async def close(self, reason: str = "engine is shut down") -> None:
         """Fail pending callers with ``reason``, stop the tasks and close the sockets."""

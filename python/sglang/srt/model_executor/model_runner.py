@@ -77,6 +77,7 @@ class ModelRunner:
             kernels = "triton" if server_args.attention_backend == "triton" else "torch"
             if not enable_batch_invariant_mode(self.model, kernels):
                 raise RuntimeError("deterministic mode: the model has no switchable linear layer")
+        # oneDNN-packed copies of the linear weights (CPU; empty when off), dropped on release.
         self.weight_packers = self._enable_prepack()
         self.attn_backend = get_attention_backend_class(backend)()
         logsumexp = get_logsumexp(server_args.sampling_backend)

@@ -21,12 +21,12 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	# RL clients for test/srt/test_compat_frameworks.py: their own code only, plus the light
 	# packages their client modules import (never their torch/CUDA requirements).
 	$(BIN)/pip install -q --no-deps areal==1.0.4 sglang-router==0.3.2 torchdata==0.11.0 \
-		ray==2.60.0 numba==0.68.1 llvmlite==0.50.0 hydra-core==1.3.8 omegaconf==2.4.0 \
+		ray==2.51.1 numba==0.68.1 llvmlite==0.50.0 hydra-core==1.3.8 omegaconf==2.4.0 \
 		antlr4-python3-runtime==4.9.3
 	# skyrl-train declares Python >= 3.12; the modules the tests run import only sglang names.
 	$(BIN)/pip install -q --no-deps --ignore-requires-python skyrl-train==0.3.1
 	$(BIN)/pip install -q $(TORCH) setproctitle aiohttp pybase64 colorlog tenacity flask lark uvloop \
-		msgpack protobuf jsonschema pillow einops aiofiles
+		msgpack protobuf jsonschema pillow einops aiofiles loguru
 	touch $@
 
 setup: $(VENV)/.installed

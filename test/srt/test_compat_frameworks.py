@@ -148,3 +148,65 @@ def test_skyrl_server_launcher_serves_token_in_token_out(
     finally:
         proc.terminate()
         assert proc.wait(30) is not None
+
+
+def test_skyrl_inprocess_engine_generates_and_syncs_weights_by_broadcast(
+        tiny_model_dir: Callable[..., Path]) -> None:
+    """SkyRL's own in-process engine class (what its Ray actor wraps), driven directly: token
+    in / token out generation, prefix-cache reset, and a broadcast weight sync from a trainer
+    rank over gloo."""
+    skyrl = pytest.importorskip("skyrl_train.inference_engines.sglang.sglang_engine",
+                                reason="skyrl-train (and its ray pin) is not installed")
+    import asyncio
+    import threading
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from skyrl_train.weight_sync import BroadcastInitInfo, BroadcastWeightUpdateRequest
+    from transformers import AutoTokenizer
+
+    path = str(tiny_model_dir("llama"))
+    engine = skyrl.SGLangInferenceEngine(
+        model_path=path, tokenizer=AutoTokenizer.from_pretrained(path), random_seed=0,
+        max_total_tokens=512, log_level="error")
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    port = free_port()
+    trainer: list = []
+
+    def join_as_trainer() -> None:  # rank 0 of the weight-sync group
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=True)
+        # SkyRL's broadcast requests name no group: upstream's default group name it is. A
+        # timeout, so that an engine that never joins the broadcast fails the test, not hangs it.
+        trainer.append(dist.ProcessGroupGloo(dist.PrefixStore("weight_update_group/", store), 0,
+                                             2, timedelta(seconds=60)))
+
+    async def run() -> tuple[list, list]:
+        batch = {"prompt_token_ids": [[5, 6, 7, 8], [9, 10]], "sampling_params": GREEDY}
+        first = await engine.generate(batch)
+        await engine.reset_prefix_cache()
+        thread = threading.Thread(target=join_as_trainer)
+        thread.start()
+        await engine.init_weight_update_communicator(BroadcastInitInfo(
+            override_existing_receiver=False, master_addr="127.0.0.1", master_port=port,
+            rank_offset=1, world_size=2, group_name="weight_update_group", backend="gloo",
+            model_dtype_str="float32"))
+        thread.join(60)
+        original = torch.tensor(engine.engine.get_weights_by_name(q_proj, truncate_size=10**6))
+        new = torch.randn_like(original)
+        shape = list(original.shape)
+        request = BroadcastWeightUpdateRequest(names=[q_proj], dtypes=["float32"], shapes=[shape])
+        receiving = asyncio.ensure_future(engine.update_named_weights(request))
+        await asyncio.to_thread(lambda: trainer[0].broadcast(new.clone(), 0).wait())
+        await receiving
+        got = torch.tensor(engine.engine.get_weights_by_name(q_proj, truncate_size=10**6))
+        assert torch.equal(got, new)
+        second = await engine.generate(batch)
+        return first["response_ids"], second["response_ids"]
+
+    try:
+        first, second = asyncio.run(run())
+    finally:
+        asyncio.run(engine.teardown())
+    assert [len(ids) for ids in first] == [4, 4]
+    assert first != second  # the new q_proj changed what the model generates

@@ -336,7 +336,9 @@ class ServerArgs:
 
     def _check_custom_weight_loader(self) -> None:
         loaders = self.custom_weight_loader
-        if isinstance(loaders, str) or not isinstance(loaders, (list, tuple)):
+        if isinstance(loaders, str):  # one path, as SkyRL passes it
+            loaders = [loaders]
+        if not isinstance(loaders, (list, tuple)):
             raise ValueError(
                 f"--custom-weight-loader must be a list of import paths, got {loaders!r}"
             )

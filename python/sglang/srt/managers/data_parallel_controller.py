@@ -1,0 +1,256 @@
+"""Data parallelism: one TokenizerManager, N scheduler replicas, a controller between them.
+
+::
+
+    TokenizerManager ──ZMQ──► DataParallelController ──ZMQ──► scheduler DP rank 0..N-1
+                                   ▲        │                      │ outputs, replies
+                                   └────────┼──────────────────────┘ (one socket per rank,
+                                            ▼                          in the order produced)
+                                   DetokenizerManager ──► TokenizerManager
+
+The controller is its own process (docs/distributed.md says why). It binds the socket the
+TokenizerManager sends to, so the frontend is the same with or without DP. It
+
+* dispatches each new request to one rank (``round_robin`` or ``shortest_queue``, counting
+  each rank's unfinished requests) and remembers rid -> rank until the request finished, so an
+  abort by rid reaches the rank that holds it;
+* fans every control request out to every rank (``get_weights_by_name`` to rank 0 only) and
+  sends ONE merged reply (:mod:`dp_reply_merge`) once every rank answered;
+* forwards each rank's outputs to the detokenizer, and its replies only after them: a rank's
+  outputs and replies travel on one socket in the order the rank produced them, and the merged
+  reply leaves on the same socket as the outputs, so a pause that aborted requests returns
+  after their final outputs, as with a single scheduler;
+* reports the engine paused only when every rank is paused (``PauseStateOutput``).
+
+:class:`DpRouter` holds the state (no sockets); :class:`DataParallelController` is the shell.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import zmq
+
+from sglang.srt.managers.dp_reply_merge import merge_replies
+from sglang.srt.managers.io_struct import (
+    AbortReq,
+    GetWeightsByNameReqInput,
+    PauseStateOutput,
+    SchedulerReply,
+    TokenizedGenerateReqInput,
+)
+from sglang.srt.server_args import PortArgs, ServerArgs
+from sglang.srt.utils import configure_logger, dumps, get_zmq_socket, kill_process_tree, loads
+
+logger = logging.getLogger(__name__)
+
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
+# Frame tags of the rank -> controller messages: [rank, OUTPUT, payload, finished rids] and
+# [rank, REPLY, payload].
+OUTPUT = b"o"
+REPLY = b"r"
+# How often the launcher's watchdog checks the engine processes, and how long it waits after a
+# death before stopping the rest.
+_WATCH_INTERVAL_S = 0.2
+_GROUP_GRACE_S = 1.0
+
+
+def dp_rank_input_ipc_name(port_args: PortArgs, dp_rank: int) -> str:
+    """Where DP rank ``dp_rank`` receives its requests (the controller connects)."""
+    return f"{port_args.scheduler_input_ipc_name}-dp{dp_rank}"
+
+
+def dp_output_ipc_name(port_args: PortArgs) -> str:
+    """Where every DP rank sends its outputs and replies (the controller binds)."""
+    return f"{port_args.scheduler_input_ipc_name}-dp-out"
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A fanned-out control request waiting for ``targets`` to answer."""
+
+    targets: frozenset[int]
+    replies: dict[int, Any]
+
+
+class DpRouter:
+    """Routing state of the controller: which rank holds which rid, the control requests
+    awaiting replies, each rank's pause state. Pure: every method returns what to send."""
+
+    def __init__(self, dp_size: int, method: str) -> None:
+        if method not in LOAD_BALANCE_METHODS:
+            raise ValueError(f"load balance method must be one of {LOAD_BALANCE_METHODS}")
+        self.dp_size = dp_size
+        self.method = method
+        self.rid_to_rank: dict[str, int] = {}
+        self.num_unfinished = [0] * dp_size
+        self._next = 0  # round-robin cursor (also breaks shortest_queue ties in turn)
+        self._pending: dict[str, _Pending] = {}
+        self._paused: list[PauseStateOutput] = [PauseStateOutput(False)] * dp_size
+        self._reported_paused = False
+
+    def assign(self, rid: str) -> int:
+        """The rank a new request ``rid`` goes to (remembered until it finishes)."""
+        order = [(self._next + i) % self.dp_size for i in range(self.dp_size)]
+        if self.method == "shortest_queue":
+            rank = min(order, key=lambda r: self.num_unfinished[r])
+        else:
+            rank = order[0]
+        self._next = (rank + 1) % self.dp_size
+        old = self.rid_to_rank.get(rid)
+        if old is not None:  # a rid reused before its end reached us: forget the old one
+            self.num_unfinished[old] -= 1
+        self.rid_to_rank[rid] = rank
+        self.num_unfinished[rank] += 1
+        return rank
+
+    def finished(self, rank: int, rids: list[str]) -> None:
+        """``rids`` sent their final output from ``rank``."""
+        for rid in rids:
+            if self.rid_to_rank.get(rid) == rank:
+                del self.rid_to_rank[rid]
+                self.num_unfinished[rank] -= 1
+
+    def targets(self, msg: Any) -> list[int]:
+        """The ranks a control message goes to (and whose replies are awaited)."""
+        if isinstance(msg, AbortReq) and not msg.abort_all and not msg.match_prefix:
+            rank = self.rid_to_rank.get(msg.rid)
+            if rank is not None:
+                return [rank]
+        if isinstance(msg, GetWeightsByNameReqInput):
+            return [0]  # every rank holds the same weights
+        return list(range(self.dp_size))
+
+    def expect(self, req_id: str, targets: list[int]) -> None:
+        self._pending[req_id] = _Pending(frozenset(targets), {})
+
+    def on_reply(self, rank: int, msg: Any) -> list[Any]:
+        """Messages for the frontend once ``rank``'s reply ``msg`` is in: the merged reply when
+        it was the last one awaited, the engine's pause state when it changed."""
+        if isinstance(msg, PauseStateOutput):
+            self._paused[rank] = msg
+            paused = all(state.paused for state in self._paused)
+            if paused == self._reported_paused:
+                return []
+            self._reported_paused = paused
+            return [PauseStateOutput(paused, self._paused[0].mode if paused else None)]
+        req_id = getattr(msg, "req_id", None)
+        pending = self._pending.get(req_id) if isinstance(req_id, str) else None
+        if pending is None:
+            logger.warning("DP rank %d sent an unexpected %s", rank, type(msg).__name__)
+            return []
+        pending.replies[rank] = msg
+        if set(pending.replies) != pending.targets:
+            return []
+        del self._pending[req_id]
+        return [merge_replies(pending.replies)]
+
+
+class DataParallelController:
+    """The controller's sockets around a :class:`DpRouter`."""
+
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs) -> None:
+        self.router = DpRouter(server_args.dp_size, server_args.resolved_load_balance_method())
+        context = zmq.Context(2)
+        self.recv_from_tokenizer = get_zmq_socket(
+            context, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True
+        )
+        self.recv_from_ranks = get_zmq_socket(
+            context, zmq.PULL, dp_output_ipc_name(port_args), bind=True
+        )
+        self.send_to_ranks = [
+            get_zmq_socket(context, zmq.PUSH, dp_rank_input_ipc_name(port_args, r), bind=False)
+            for r in range(server_args.dp_size)
+        ]
+        self.send_to_detokenizer = get_zmq_socket(
+            context, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False
+        )
+
+    def event_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.recv_from_tokenizer, zmq.POLLIN)
+        poller.register(self.recv_from_ranks, zmq.POLLIN)
+        while True:
+            for sock, _ in poller.poll():
+                if sock is self.recv_from_tokenizer:
+                    self.handle_input(self.recv_from_tokenizer.recv())
+                else:
+                    self.handle_rank_message(self.recv_from_ranks.recv_multipart())
+
+    def handle_input(self, data: bytes) -> None:
+        """A message of the frontend: a request to one rank, a control message to its ranks.
+        The bytes are forwarded as received (a weight tensor is pickled once)."""
+        msg = loads(data)
+        if isinstance(msg, TokenizedGenerateReqInput):
+            self.send_to_ranks[self.router.assign(msg.rid)].send(data)
+            return
+        targets = self.router.targets(msg)
+        req_id = getattr(msg, "req_id", None)
+        if isinstance(req_id, str):
+            self.router.expect(req_id, targets)
+        for rank in targets:
+            self.send_to_ranks[rank].send(data)
+
+    def handle_rank_message(self, frames: list[bytes]) -> None:
+        rank = int(frames[0])
+        if frames[1] == OUTPUT:
+            self.send_to_detokenizer.send(frames[2])
+            self.router.finished(rank, loads(frames[3]))
+            return
+        for out in self.router.on_reply(rank, loads(frames[2])):
+            self.send_to_detokenizer.send(dumps(SchedulerReply(out)))
+
+
+def split_cpu_threads(server_args: ServerArgs) -> None:
+    """On CPU, give this DP rank its share of the torch threads (at least one), so N replicas
+    do not oversubscribe the cores. Call before the model is loaded."""
+    if server_args.device != "cpu":
+        return
+    import torch
+
+    torch.set_num_threads(max(1, torch.get_num_threads() // server_args.dp_size))
+
+
+def start_group_watchdog(procs: list[Any], grace_s: float = _GROUP_GRACE_S) -> threading.Thread:
+    """Watch the engine's child processes (in the launcher); once one has exited, kill the
+    others after ``grace_s`` (the frontend names the one that died first, in that time), so a
+    dead DP rank never leaves the other replicas running. Only processes that are still ours
+    (not yet reaped) are killed."""
+
+    def watch() -> None:
+        while all(proc.is_alive() for proc in procs):
+            time.sleep(_WATCH_INTERVAL_S)
+        dead = [proc.name for proc in procs if not proc.is_alive()]
+        logger.error("Engine process(es) %s exited; stopping the others", ", ".join(dead))
+        time.sleep(grace_s)
+        for proc in procs:
+            if proc.is_alive() and proc.pid is not None:
+                kill_process_tree(proc.pid)
+
+    thread = threading.Thread(target=watch, name="sglang-dp-group-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+def run_data_parallel_controller_process(
+    server_args: ServerArgs, port_args: PortArgs, pipe_writer: Connection
+) -> None:
+    """Entry of the controller process: bind, report ready (or the error), then loop."""
+    from sglang.srt.managers.detokenizer_manager import exit_when_parent_dies
+
+    configure_logger(server_args.log_level, prefix=" DP controller")
+    exit_when_parent_dies()
+    try:
+        controller = DataParallelController(server_args, port_args)
+    except Exception as e:
+        logger.error("DP controller failed to start:\n%s", traceback.format_exc())
+        pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        return
+    pipe_writer.send({"status": "ready"})
+    controller.event_loop()

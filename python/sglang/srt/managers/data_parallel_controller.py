@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 import traceback
@@ -142,7 +143,7 @@ class DpRouter:
             return [PauseStateOutput(paused, self._paused[0].mode if paused else None)]
         req_id = getattr(msg, "req_id", None)
         pending = self._pending.get(req_id) if isinstance(req_id, str) else None
-        if pending is None:
+        if pending is None or not isinstance(req_id, str):
             logger.warning("DP rank %d sent an unexpected %s", rank, type(msg).__name__)
             return []
         pending.replies[rank] = msg
@@ -207,14 +208,28 @@ class DataParallelController:
             self.send_to_detokenizer.send(dumps(SchedulerReply(out)))
 
 
-def split_cpu_threads(server_args: ServerArgs) -> None:
-    """On CPU, give this DP rank its share of the torch threads (at least one), so N replicas
-    do not oversubscribe the cores. Call before the model is loaded."""
-    if server_args.device != "cpu":
+def configure_dp_rank(server_args: ServerArgs, dp_rank: int) -> None:
+    """Give this DP rank its share of the machine, before anything touches the device.
+
+    * CPU: 1/N of the torch threads (at least one), and 1/N of the memory that a single
+      scheduler would take for its KV cache (unless --max-total-tokens fixes the size), so N
+      replicas neither oversubscribe the cores nor the RAM;
+    * CUDA: GPU ``dp_rank`` (of CUDA_VISIBLE_DEVICES when set): each replica on its own device.
+    """
+    if server_args.device == "cuda":
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else [str(i) for i in range(server_args.dp_size)]
+        if dp_rank < len(devices):
+            os.environ["CUDA_VISIBLE_DEVICES"] = devices[dp_rank].strip()
         return
     import torch
 
+    from sglang.srt.model_executor.model_runner import _DEFAULT_CPU_KV_FRACTION
+
     torch.set_num_threads(max(1, torch.get_num_threads() // server_args.dp_size))
+    if server_args.max_total_tokens is None:
+        fraction = server_args.mem_fraction_static or _DEFAULT_CPU_KV_FRACTION
+        server_args.mem_fraction_static = fraction / server_args.dp_size
 
 
 def start_group_watchdog(procs: list[Any], grace_s: float = _GROUP_GRACE_S) -> threading.Thread:

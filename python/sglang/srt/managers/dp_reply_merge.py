@@ -35,7 +35,7 @@ def merge_replies(replies: dict[int, Any]) -> Any:
     if isinstance(first, GetInternalStateReqOutput):
         states = [{**replies[r].internal_state, "dp_rank": r} for r in ranks]
         return GetInternalStateReqOutput(states[0], req_id=first.req_id, internal_states=states)
-    if not dataclasses.is_dataclass(first):
+    if not dataclasses.is_dataclass(first) or isinstance(first, type):
         return first
     values: dict[str, Any] = {}
     for f in dataclasses.fields(first):

@@ -15,11 +15,12 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from engine_test_utils import assert_kv_all_back, check_complete, post, wait_for
 from server_test_utils import ServerProcess
 
 import sglang as sgl
-from sglang.srt.managers.data_parallel_controller import DpRouter
+from sglang.srt.managers.data_parallel_controller import FRONTEND, DpRouter
 from sglang.srt.managers.dp_reply_merge import merge_replies
 from sglang.srt.managers.io_struct import (
     AbortReq,
@@ -27,7 +28,10 @@ from sglang.srt.managers.io_struct import (
     GetWeightsByNameReqInput,
     PauseGenerationReqOutput,
     PauseStateOutput,
+    ReleaseMemoryOccupationReqInput,
     ReleaseMemoryOccupationReqOutput,
+    ResumeMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqOutput,
 )
 
 DP = 2
@@ -97,12 +101,32 @@ def test_router_merges_replies_and_pause_state() -> None:
     assert router.on_reply(0, PauseGenerationReqOutput(True, "ok", "retract", 0, 2, 0, 2,
                                                        req_id="p")) == []
     assert router.on_reply(1, PauseStateOutput(True, "retract")) == [
-        PauseStateOutput(True, "retract")
+        (FRONTEND, PauseStateOutput(True, "retract"))
     ]
-    [out] = router.on_reply(1, PauseGenerationReqOutput(True, "ok", "retract", 0, 3, 0, 3,
-                                                        req_id="p"))
+    [(dest, out)] = router.on_reply(
+        1, PauseGenerationReqOutput(True, "ok", "retract", 0, 3, 0, 3, req_id="p")
+    )
+    assert dest == FRONTEND
     assert out.success and out.num_retracted == 5 and out.num_waiting == 5
-    assert router.on_reply(1, PauseStateOutput(False)) == [PauseStateOutput(False)]
+    assert router.on_reply(1, PauseStateOutput(False)) == [(FRONTEND, PauseStateOutput(False))]
+
+
+def test_router_undoes_a_release_that_another_rank_refused() -> None:
+    router = DpRouter(DP, "round_robin")
+    release = ReleaseMemoryOccupationReqInput(["kv_cache"], req_id="m")
+    router.expect("m", [0, 1], release)
+    assert router.on_reply(0, ReleaseMemoryOccupationReqOutput(True, "ok", ["kv_cache"],
+                                                               req_id="m")) == []
+    [(dest, undo)] = router.on_reply(
+        1, ReleaseMemoryOccupationReqOutput(False, "a request holds KV", [], req_id="m")
+    )
+    assert dest == 0 and isinstance(undo, ResumeMemoryOccupationReqInput)
+    assert undo.tags == ["kv_cache"]
+    [(dest, out)] = router.on_reply(0, ResumeMemoryOccupationReqOutput(True, "ok", [],
+                                                                       req_id=undo.req_id))
+    assert dest == FRONTEND and out.req_id == "m" and not out.success
+    assert out.message == "DP rank 1: a request holds KV (undone on DP rank(s) [0])"
+    assert out.released_tags == []
 
 
 def test_merge_failure_names_the_rank() -> None:
@@ -288,6 +312,38 @@ def test_update_weights_from_disk_applies_on_every_rank(
     refused = engine.update_weights_from_disk("/nonexistent/checkpoint")
     assert not refused[0]
     assert [s["weight_version"] for s in _states(engine)] == ["v3"] * DP
+
+
+def test_tensor_update_version_and_memory_on_every_rank(engine: sgl.Engine) -> None:
+    same_prompt = [PROMPTS[1]] * DP  # round robin: one copy per rank
+    before = [o["output_ids"] for o in engine.generate(input_ids=same_prompt,
+                                                       sampling_params=_greedy(12))]
+    head = torch.tensor(engine.get_weights_by_name("lm_head.weight", truncate_size=10_000))
+    ok, message = engine.update_weights_from_tensor([("lm_head.weight", -head)],
+                                                    weight_version="neg")
+    assert ok, message
+    after = [o["output_ids"] for o in engine.generate(input_ids=same_prompt,
+                                                      sampling_params=_greedy(12))]
+    assert after[0] == after[1] != before[0]
+    assert engine.update_weights_from_tensor([("lm_head.weight", head)])[0]
+    assert engine.update_weight_version("relabelled")["success"]
+    assert [s["weight_version"] for s in _states(engine)] == ["relabelled"] * DP
+    # Released on both ranks, then resumed on both.
+    assert engine.release_memory_occupation(["kv_cache"])["released_tags"] == ["kv_cache"]
+    assert engine.resume_memory_occupation(["kv_cache"])["released_tags"] == []
+    # Refused on the rank holding a request, succeeded on the other: undone there.
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(engine.generate, input_ids=PROMPTS[0], sampling_params=_greedy(MAX_NEW),
+                          return_logprob=True)
+        wait_for(lambda: sum(_running_per_rank(engine)) == 1)
+        engine.pause_generation(mode="in_place")
+        with pytest.raises(RuntimeError, match=r"DP rank \d: .*undone on DP rank"):
+            engine.release_memory_occupation(["kv_cache"])
+        engine.continue_generation()
+        check_complete(fut.result(timeout=120), MAX_NEW)
+    again = engine.generate(input_ids=same_prompt, sampling_params=_greedy(12))
+    assert [o["output_ids"] for o in again] == before  # both ranks serve, original weights
+    _check_no_leak(engine)
 
 
 def test_killed_rank_fails_callers_and_stops_the_group(model_path: str) -> None:

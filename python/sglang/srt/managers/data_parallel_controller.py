@@ -43,6 +43,8 @@ from sglang.srt.managers.io_struct import (
     AbortReq,
     GetWeightsByNameReqInput,
     PauseStateOutput,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
     SchedulerReply,
     TokenizedGenerateReqInput,
 )
@@ -72,12 +74,20 @@ def dp_output_ipc_name(port_args: PortArgs) -> str:
     return f"{port_args.scheduler_input_ipc_name}-dp-out"
 
 
+# Destination of a message :class:`DpRouter` returns: a DP rank, or the frontend.
+FRONTEND = -1
+
+
 @dataclasses.dataclass
 class _Pending:
-    """A fanned-out control request waiting for ``targets`` to answer."""
+    """A fanned-out control request waiting for ``targets`` to answer. ``request``: what was
+    sent (to undo it where it succeeded when another rank refused); ``then``: for an undo, the
+    merged reply to send the frontend once the undo is done."""
 
     targets: frozenset[int]
     replies: dict[int, Any]
+    request: Any = None
+    then: Any = None
 
 
 class DpRouter:
@@ -128,19 +138,20 @@ class DpRouter:
             return [0]  # every rank holds the same weights
         return list(range(self.dp_size))
 
-    def expect(self, req_id: str, targets: list[int]) -> None:
-        self._pending[req_id] = _Pending(frozenset(targets), {})
+    def expect(self, req_id: str, targets: list[int], request: Any = None) -> None:
+        self._pending[req_id] = _Pending(frozenset(targets), {}, request)
 
-    def on_reply(self, rank: int, msg: Any) -> list[Any]:
-        """Messages for the frontend once ``rank``'s reply ``msg`` is in: the merged reply when
-        it was the last one awaited, the engine's pause state when it changed."""
+    def on_reply(self, rank: int, msg: Any) -> list[tuple[int, Any]]:
+        """(destination, message) pairs to send once ``rank``'s reply ``msg`` is in: to the
+        frontend the merged reply when it was the last one awaited, and the engine's pause
+        state when it changed; to ranks, the undo of a request that some rank refused."""
         if isinstance(msg, PauseStateOutput):
             self._paused[rank] = msg
             paused = all(state.paused for state in self._paused)
             if paused == self._reported_paused:
                 return []
             self._reported_paused = paused
-            return [PauseStateOutput(paused, self._paused[0].mode if paused else None)]
+            return [(FRONTEND, PauseStateOutput(paused, self._paused[0].mode if paused else None))]
         req_id = getattr(msg, "req_id", None)
         pending = self._pending.get(req_id) if isinstance(req_id, str) else None
         if pending is None or not isinstance(req_id, str):
@@ -150,7 +161,32 @@ class DpRouter:
         if set(pending.replies) != pending.targets:
             return []
         del self._pending[req_id]
-        return [merge_replies(pending.replies)]
+        if pending.then is not None:  # an undo finished: what stays released, then the reply
+            still = set(pending.then.released_tags)
+            still.update(*(out.released_tags for out in pending.replies.values()))
+            return [(FRONTEND, dataclasses.replace(pending.then, released_tags=sorted(still)))]
+        merged = merge_replies(pending.replies)
+        return self._undo_partial(pending, merged) or [(FRONTEND, merged)]
+
+    def _undo_partial(self, pending: _Pending, merged: Any) -> list[tuple[int, Any]]:
+        """A memory release that some rank refused is undone (resumed) on the ranks where it
+        succeeded, so no rank is left released; the merged refusal goes out after that.
+        (Other control requests are validated identically on every rank: see
+        docs/distributed.md.)"""
+        if not isinstance(pending.request, ReleaseMemoryOccupationReqInput) or merged.success:
+            return []
+        done = sorted(r for r, out in pending.replies.items() if out.success)
+        if not done:
+            return []
+        undo = ResumeMemoryOccupationReqInput(pending.request.tags)
+        refused = [out.released_tags for out in pending.replies.values() if not out.success]
+        merged = dataclasses.replace(
+            merged,
+            message=f"{merged.message} (undone on DP rank(s) {done})",
+            released_tags=sorted(set().union(*refused)),
+        )
+        self._pending[undo.req_id] = _Pending(frozenset(done), {}, undo, then=merged)
+        return [(rank, undo) for rank in done]
 
 
 class DataParallelController:
@@ -194,7 +230,7 @@ class DataParallelController:
         targets = self.router.targets(msg)
         req_id = getattr(msg, "req_id", None)
         if isinstance(req_id, str):
-            self.router.expect(req_id, targets)
+            self.router.expect(req_id, targets, msg)
         for rank in targets:
             self.send_to_ranks[rank].send(data)
 
@@ -204,8 +240,11 @@ class DataParallelController:
             self.send_to_detokenizer.send(frames[2])
             self.router.finished(rank, loads(frames[3]))
             return
-        for out in self.router.on_reply(rank, loads(frames[2])):
-            self.send_to_detokenizer.send(dumps(SchedulerReply(out)))
+        for dest, out in self.router.on_reply(rank, loads(frames[2])):
+            if dest == FRONTEND:
+                self.send_to_detokenizer.send(dumps(SchedulerReply(out)))
+            else:
+                self.send_to_ranks[dest].send(dumps(out))
 
 
 def configure_dp_rank(server_args: ServerArgs, dp_rank: int) -> None:
@@ -242,11 +281,16 @@ def start_group_watchdog(procs: list[Any], grace_s: float = _GROUP_GRACE_S) -> t
         while all(proc.is_alive() for proc in procs):
             time.sleep(_WATCH_INTERVAL_S)
         dead = [proc.name for proc in procs if not proc.is_alive()]
-        logger.error("Engine process(es) %s exited; stopping the others", ", ".join(dead))
         time.sleep(grace_s)
-        for proc in procs:
-            if proc.is_alive() and proc.pid is not None:
-                kill_process_tree(proc.pid)
+        alive = [proc for proc in procs if proc.is_alive() and proc.pid is not None]
+        if not alive:  # a shutdown: everything went together
+            return
+        logger.error(
+            "Engine process(es) %s exited; stopping %s",
+            ", ".join(dead), ", ".join(proc.name for proc in alive),
+        )
+        for proc in alive:
+            kill_process_tree(proc.pid)
 
     thread = threading.Thread(target=watch, name="sglang-dp-group-watchdog", daemon=True)
     thread.start()

@@ -86,13 +86,10 @@ def _run_scheduler_child(
     """Entry of the scheduler process: it follows the launcher's death, then runs.
     ``dp_rank``: one data-parallel rank of ``server_args.dp_size``."""
     from sglang.srt.layers.batch_invariant import pin_cpu_blas_numerics
-    from sglang.srt.managers.data_parallel_controller import configure_dp_rank
     from sglang.srt.managers.scheduler_process import run_scheduler_process
 
     if server_args.enable_deterministic_inference:
         pin_cpu_blas_numerics()  # before the first GEMM of this process
-    if dp_rank is not None:
-        configure_dp_rank(server_args, dp_rank)  # before the model is loaded
     exit_when_parent_dies()
     run_scheduler_process(server_args, port_args, pipe_writer, dp_rank)
 

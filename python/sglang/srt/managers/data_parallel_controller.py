@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 import traceback
@@ -248,21 +247,28 @@ class DataParallelController:
 
 
 def configure_dp_rank(server_args: ServerArgs, dp_rank: int) -> None:
-    """Give this DP rank its share of the machine, before anything touches the device.
+    """Give this DP rank its share of the machine, before the model is loaded.
 
     * CPU: 1/N of the torch threads (at least one), and 1/N of the memory that a single
       scheduler would take for its KV cache (unless --max-total-tokens fixes the size), so N
       replicas neither oversubscribe the cores nor the RAM;
-    * CUDA: GPU ``dp_rank`` (of CUDA_VISIBLE_DEVICES when set): each replica on its own device.
+    * CUDA: GPU ``dp_rank`` (of the visible ones). With fewer GPUs than ranks, ranks share
+      them (rank % GPUs); each rank then needs --max-total-tokens, since sizing the KV cache
+      from free memory would race with the other ranks on that GPU.
     """
-    if server_args.device == "cuda":
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        devices = visible.split(",") if visible else [str(i) for i in range(server_args.dp_size)]
-        if dp_rank < len(devices):
-            os.environ["CUDA_VISIBLE_DEVICES"] = devices[dp_rank].strip()
-        return
     import torch
 
+    if server_args.device == "cuda":
+        num_gpus = torch.cuda.device_count()
+        if num_gpus == 0:
+            raise RuntimeError("no CUDA device visible")
+        if num_gpus < server_args.dp_size and server_args.max_total_tokens is None:
+            raise RuntimeError(
+                f"--dp-size {server_args.dp_size} with {num_gpus} GPU(s): ranks share a GPU, "
+                "which needs --max-total-tokens (the KV cache size of each rank)"
+            )
+        torch.cuda.set_device(dp_rank % num_gpus)
+        return
     from sglang.srt.model_executor.model_runner import _DEFAULT_CPU_KV_FRACTION
 
     torch.set_num_threads(max(1, torch.get_num_threads() // server_args.dp_size))

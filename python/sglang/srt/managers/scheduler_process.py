@@ -23,6 +23,7 @@ from sglang.srt.hf_transformers_utils import get_tokenizer
 from sglang.srt.managers.data_parallel_controller import OUTPUT as DP_OUTPUT
 from sglang.srt.managers.data_parallel_controller import REPLY as DP_REPLY
 from sglang.srt.managers.data_parallel_controller import (
+    configure_dp_rank,
     dp_output_ipc_name,
     dp_rank_input_ipc_name,
 )
@@ -183,6 +184,8 @@ def run_scheduler_process(
     # it is killed at shutdown (the resource tracker then warns about a leak): use a thread lock.
     tqdm.set_lock(threading.RLock())
     try:
+        if dp_rank is not None:
+            configure_dp_rank(server_args, dp_rank)  # threads, memory, device: before loading
         process = SchedulerProcess(server_args, port_args, dp_rank)
     except Exception as e:  # any failure at start-up is reported to the launcher verbatim
         logger.error("Scheduler failed to start:\n%s", traceback.format_exc())

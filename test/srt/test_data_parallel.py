@@ -4,9 +4,11 @@ storm, aborts, weight updates), a dead rank surfacing quickly; Engine and HTTP."
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+import torch.distributed as dist
 from engine_test_utils import assert_kv_all_back, check_complete, post, wait_for
 from server_test_utils import ServerProcess
 
@@ -24,14 +27,17 @@ from sglang.srt.managers.data_parallel_controller import FRONTEND, DpRouter
 from sglang.srt.managers.dp_reply_merge import merge_replies
 from sglang.srt.managers.io_struct import (
     AbortReq,
+    DestroyWeightsUpdateGroupReqInput,
     GetInternalStateReqOutput,
     GetWeightsByNameReqInput,
+    InitWeightsUpdateGroupReqInput,
     PauseGenerationReqOutput,
     PauseStateOutput,
     ReleaseMemoryOccupationReqInput,
     ReleaseMemoryOccupationReqOutput,
     ResumeMemoryOccupationReqInput,
     ResumeMemoryOccupationReqOutput,
+    UpdateWeightsFromDistributedReqInput,
 )
 
 DP = 2
@@ -344,6 +350,49 @@ def test_tensor_update_version_and_memory_on_every_rank(engine: sgl.Engine) -> N
     again = engine.generate(input_ids=same_prompt, sampling_params=_greedy(12))
     assert [o["output_ids"] for o in again] == before  # both ranks serve, original weights
     _check_no_leak(engine)
+
+
+def test_update_weights_from_distributed_reaches_every_rank(engine: sgl.Engine) -> None:
+    """The frontend joins the trainer's group and receives the broadcast; the controller
+    then fans the tensors out to every rank."""
+    same_prompt = [PROMPTS[2]] * DP
+    before = [o["output_ids"] for o in engine.generate(input_ids=same_prompt,
+                                                       sampling_params=_greedy(12))]
+    head = torch.tensor(engine.get_weights_by_name("lm_head.weight", truncate_size=10_000))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    trainer_group: list = []
+
+    def trainer() -> None:  # rank 0 of the group, as an RL trainer
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=True)
+        trainer_group.append(dist.ProcessGroupGloo(dist.PrefixStore("dp/", store), 0, 2))
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    tm = engine.tokenizer_manager
+    assert tm is not None
+    init = InitWeightsUpdateGroupReqInput("127.0.0.1", port, 1, 2, "dp", "gloo")
+    assert asyncio.run(tm.init_weights_update_group(init, None))[0]
+    thread.join(60)
+
+    async def update() -> tuple[bool, str]:
+        obj = UpdateWeightsFromDistributedReqInput(
+            name="lm_head.weight", dtype="float32", shape=list(head.shape), group_name="dp",
+            weight_version="broadcast")
+        receiving = asyncio.ensure_future(tm.update_weights_from_distributed(obj, None))
+        await asyncio.to_thread(lambda: trainer_group[0].broadcast(-head, 0).wait())
+        return await receiving
+
+    success, message = asyncio.run(update())
+    assert success, message
+    assert [s["weight_version"] for s in _states(engine)] == ["broadcast"] * DP
+    after = [o["output_ids"] for o in engine.generate(input_ids=same_prompt,
+                                                      sampling_params=_greedy(12))]
+    assert after[0] == after[1] != before[0]
+    assert asyncio.run(tm.destroy_weights_update_group(
+        DestroyWeightsUpdateGroupReqInput("dp"), None))[0]
+    assert engine.update_weights_from_tensor([("lm_head.weight", head)])[0]
 
 
 def test_killed_rank_fails_callers_and_stops_the_group(model_path: str) -> None:

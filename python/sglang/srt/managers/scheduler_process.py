@@ -196,5 +196,8 @@ def run_scheduler_process(
         process.event_loop()
     except Exception as e:
         logger.error("Scheduler crashed:\n%s", traceback.format_exc())
-        process.send_to_tokenizer.send(dumps(SchedulerErrorOutput(f"{type(e).__name__}: {e}")))
+        where = "" if dp_rank is None else f"DP rank {dp_rank}: "
+        process.send_to_tokenizer.send(
+            dumps(SchedulerErrorOutput(f"{where}{type(e).__name__}: {e}"))
+        )
         raise

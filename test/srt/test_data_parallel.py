@@ -245,6 +245,29 @@ def test_in_place_pause_refuses_flush_naming_ranks(engine: sgl.Engine) -> None:
             check_complete(fut.result(timeout=120), MAX_NEW)
 
 
+def test_pause_lease_expires_on_every_rank(engine: sgl.Engine) -> None:
+    reply = engine.pause_generation(mode="retract", timeout_s=0.5)
+    assert reply["status"] == "ok"
+    assert all(s["engine_paused"] for s in _states(engine))
+    tm = engine.tokenizer_manager
+    assert tm is not None and tm.is_paused
+    wait_for(lambda: not any(s["engine_paused"] for s in _states(engine)), timeout=10)
+    wait_for(lambda: not tm.is_paused, timeout=10)
+    out = engine.generate(input_ids=PROMPTS[0], sampling_params=_greedy(4))
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_server_args_dp_values() -> None:
+    from sglang.srt.server_args import ServerArgs
+
+    assert ServerArgs(model_path="m", device="cpu", load_balance_method="auto") \
+        .resolved_load_balance_method() == "round_robin"
+    with pytest.raises(ValueError, match="--dp-size"):
+        ServerArgs(model_path="m", device="cpu", dp_size=0)
+    with pytest.raises(ValueError, match="--load-balance-method"):
+        ServerArgs(model_path="m", device="cpu", load_balance_method="minimum_tokens")
+
+
 def test_pause_storm_every_request_ends_once_no_leak(engine: sgl.Engine) -> None:
     rng = random.Random(11)
     num = 16

@@ -41,8 +41,8 @@ from sglang.srt.managers.io_struct import (
 )
 
 DP = 2
-MAX_NEW = 300
-HTTP_MAX_NEW = 480  # the tiny model's context is 512
+MAX_NEW = 480  # the tiny model's context is 512: long enough to watch requests run
+HTTP_MAX_NEW = MAX_NEW
 PROMPTS = [[10 + i, 20, 30, 40 + i] for i in range(6)]
 
 
@@ -426,6 +426,7 @@ def test_killed_rank_fails_callers_and_stops_the_group(model_path: str) -> None:
             futs = [pool.submit(eng.generate, input_ids=PROMPTS[i],
                                 sampling_params=_greedy(400)) for i in range(2)]
             wait_for(lambda: _running_per_rank(eng) == [1, 1])
+            eng.pause_generation(mode="in_place")  # neither request can finish meanwhile
             killed_at = time.monotonic()
             os.kill(procs["sglang-scheduler-dp1"].pid, signal.SIGKILL)
             for fut in futs:

@@ -51,6 +51,7 @@ def run_engine(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> t
         log_level="warning",
         enable_deterministic_inference=args.deterministic,
         attention_backend=args.attention_backend,
+        dp_size=args.dp_size,
     )
     try:
         params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
@@ -168,6 +169,11 @@ def main() -> None:
         help="run the engine with --enable-deterministic-inference",
     )
     parser.add_argument("--skip-hf", action="store_true", help="only run the engine")
+    parser.add_argument(
+        "--dp-size", type=int, default=1,
+        help="the engine's data-parallel replicas (docs/distributed.md); run once with 1 and "
+        "once with N on the same machine to compare",
+    )
     parser.add_argument(
         "--compare", choices=["vllm"], default=None, help="also run vLLM on the same workload"
     )

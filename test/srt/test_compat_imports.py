@@ -118,7 +118,7 @@ def test_upstream_kwargs_ignored_with_one_warning(caplog: pytest.LogCaptureFixtu
     with caplog.at_level(logging.WARNING):
         ours = split_server_kwargs({
             "model_path": "m", "mm_attention_backend": "fa3", "enable_memory_saver": True,
-            "custom_weight_loader": ["pkg.loader"], "dp_size": 1, "quantization": None,
+            "custom_weight_loader": ["pkg.loader"], "moe_dp_size": 1, "quantization": None,
             "json_model_override_args": "{}", "attention_backend": "fa3",
         })
     assert ours == {"model_path": "m", "custom_weight_loader": ["pkg.loader"]}  # ours now
@@ -126,12 +126,12 @@ def test_upstream_kwargs_ignored_with_one_warning(caplog: pytest.LogCaptureFixtu
     assert len(warnings) == 1
     for name in ("mm_attention_backend", "enable_memory_saver", "attention_backend"):
         assert name in warnings[0]
-    assert "dp_size" not in warnings[0]  # upstream's default: nothing to say
+    assert "moe_dp_size" not in warnings[0]  # upstream's default: nothing to say
 
 
 def test_upstream_kwargs_that_change_results_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"dp_size=2.*quantization='fp8'"):
-        split_server_kwargs({"model_path": "m", "quantization": "fp8", "dp_size": 2})
+    with pytest.raises(ValueError, match=r"nnodes=2.*quantization='fp8'"):
+        split_server_kwargs({"model_path": "m", "quantization": "fp8", "nnodes": 2})
     with pytest.raises(TypeError, match="no_such_option"):
         split_server_kwargs({"model_path": "m", "no_such_option": 1})
 

@@ -117,9 +117,10 @@ class ServerMetrics:
         self.num_running_reqs.set(sum(s.get("running_batch_size", 0) for s in states))
         self.num_queue_reqs.set(sum(s.get("waiting_queue_size", 0) for s in states))
         available = state.get("available_kv_tokens")
-        if available is not None:
+        if available is not None:  # summed over the DP ranks (each has its own KV pool)
+            available = sum(s.get("available_kv_tokens", 0) for s in states)
             self.available_kv_tokens.set(available)
-            total = state.get("max_total_num_tokens", max_total_tokens)
+            total = sum(s.get("max_total_num_tokens", max_total_tokens or 0) for s in states)
             if total:
                 self.token_usage.set(max(0.0, 1.0 - available / total))
 

@@ -27,6 +27,7 @@ _ENTROPY_MODES = ("raw", "scaled", "sampled")
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _REASONING_PARSERS = ("qwen3", "deepseek-r1")
 _TOOL_CALL_PARSERS = ("qwen25", "qwen", "llama3")
+_LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "auto")
 
 
 def _arg(default: Any, help: str, **extra: Any) -> Any:
@@ -173,6 +174,19 @@ class ServerArgs:
         None, "Seed of the engine; requests without sampling_seed derive theirs from it."
     )
     tp_size: int = _arg(1, "Tensor-parallel size (only 1 is supported for now).")
+    dp_size: int = _arg(
+        1,
+        "Data-parallel size: this many scheduler processes, each a full model replica with "
+        "its own KV cache (on CPU each gets 1/N of the torch threads), behind one frontend "
+        "(docs/distributed.md).",
+    )
+    load_balance_method: str = _arg(
+        "round_robin",
+        "How --dp-size > 1 spreads new requests over the ranks: round_robin, or "
+        "shortest_queue (the rank with the fewest unfinished requests). 'auto' (upstream's "
+        "default) means round_robin.",
+        choices=_LOAD_BALANCE_METHODS,
+    )
     custom_weight_loader: list[str] | None = _arg(
         None,
         "Import paths ('pkg.module.func') of functions that update_weights_from_tensor may "
@@ -273,6 +287,13 @@ class ServerArgs:
             )
         if self.tp_size != 1:
             raise ValueError("--tp-size > 1 is not supported yet; run with --tp-size 1")
+        if not isinstance(self.dp_size, int) or self.dp_size < 1:
+            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size!r}")
+        if self.load_balance_method not in _LOAD_BALANCE_METHODS:
+            raise ValueError(
+                f"--load-balance-method must be one of {_LOAD_BALANCE_METHODS}, "
+                f"got {self.load_balance_method!r}"
+            )
         if self.attention_backend not in ("torch_native", "triton"):
             raise ValueError(
                 f"--attention-backend {self.attention_backend} is not available; "
@@ -378,6 +399,11 @@ class ServerArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def resolved_load_balance_method(self) -> str:
+        """The DP dispatch policy: upstream's 'auto' is round_robin."""
+        method = self.load_balance_method
+        return "round_robin" if method == "auto" else method
 
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"

@@ -126,8 +126,6 @@ UPSTREAM_ONLY_FIELDS: dict[str, tuple[str, Any]] = {
     "enable_cache_report": ("bool", False),
     "tool_server": ("str", None),
     "sampling_defaults": ("str", 'model'),
-    "dp_size": ("int", 1),
-    "load_balance_method": ("str", 'auto'),
     "attn_cp_size": ("int", 1),
     "moe_dp_size": ("int", 1),
     "dist_init_addr": ("str", None),

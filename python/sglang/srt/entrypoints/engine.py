@@ -79,16 +79,37 @@ async def _memory_call(
 
 
 def _run_scheduler_child(
-    server_args: ServerArgs, port_args: PortArgs, pipe_writer: Connection
+    server_args: ServerArgs,
+    port_args: PortArgs,
+    pipe_writer: Connection,
+    dp_rank: int | None = None,
 ) -> None:
-    """Entry of the scheduler process: it follows the launcher's death, then runs."""
+    """Entry of the scheduler process: it follows the launcher's death, then runs.
+    ``dp_rank``: one data-parallel rank of ``server_args.dp_size``."""
     from sglang.srt.layers.batch_invariant import pin_cpu_blas_numerics
     from sglang.srt.managers.scheduler_process import run_scheduler_process
 
     if server_args.enable_deterministic_inference:
         pin_cpu_blas_numerics()  # before the first GEMM of this process
     exit_when_parent_dies()
-    run_scheduler_process(server_args, port_args, pipe_writer)
+    run_scheduler_process(server_args, port_args, pipe_writer, dp_rank)
+
+
+def _engine_children(server_args: ServerArgs) -> list[tuple[str, Any, tuple]]:
+    """(name, entry, extra args) of each child process; the scheduler (DP rank 0) first."""
+    from sglang.srt.managers.data_parallel_controller import (
+        run_data_parallel_controller_process,
+    )
+
+    schedulers: list[tuple[str, Any, tuple]]
+    if server_args.dp_size == 1:
+        schedulers = [("scheduler", _run_scheduler_child, ())]
+    else:
+        schedulers = [
+            (f"scheduler-dp{r}", _run_scheduler_child, (r,)) for r in range(server_args.dp_size)
+        ]
+        schedulers.append(("dp-controller", run_data_parallel_controller_process, ()))
+    return schedulers + [("detokenizer", run_detokenizer_process, ())]
 
 
 def launch_engine_processes(
@@ -103,17 +124,15 @@ def launch_engine_processes(
     """
     port_args = PortArgs.init_new()
     ctx = mp.get_context("spawn")
-    children = (
-        ("scheduler", _run_scheduler_child),
-        ("detokenizer", run_detokenizer_process),
-    )
     procs: list[BaseProcess] = []
     readers: dict[Connection, BaseProcess] = {}
     try:
-        for name, target in children:
+        for name, target, extra in _engine_children(server_args):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
-                target=target, args=(server_args, port_args, writer), name=f"sglang-{name}"
+                target=target,
+                args=(server_args, port_args, writer, *extra),
+                name=f"sglang-{name}",
             )
             proc.start()
             writer.close()  # the child's copy stays open: EOF on the reader means it died
@@ -123,6 +142,10 @@ def launch_engine_processes(
         scheduler_info = ready[procs[0]]
         tokenizer_manager = TokenizerManager(server_args, port_args, scheduler_info)
         tokenizer_manager.watch_processes(procs)
+        if server_args.dp_size > 1:
+            from sglang.srt.managers.data_parallel_controller import start_group_watchdog
+
+            start_group_watchdog(procs)
     except BaseException:
         _kill_processes(procs)
         remove_ipc_dir(port_args)

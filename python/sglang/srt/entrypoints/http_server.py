@@ -294,8 +294,7 @@ async def continue_generation(request: Request) -> Response:
 
 @router.get("/is_paused")
 async def is_paused(request: Request) -> Response:
-    state = (await _tm(request).get_internal_state())[0]
-    return json_response(replies.is_paused_reply(state))
+    return json_response(replies.is_paused_reply(await _tm(request).get_internal_state()))
 
 
 @router.get("/metrics")

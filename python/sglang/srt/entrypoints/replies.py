@@ -70,12 +70,15 @@ def continue_reply(out: ContinueGenerationReqOutput) -> dict[str, Any]:
     return {"message": CONTINUED_MESSAGE, "status": "ok", "was_paused": out.was_paused}
 
 
-def is_paused_reply(state: dict[str, Any]) -> dict[str, Any]:
-    """``/is_paused`` from a scheduler's internal state."""
+def is_paused_reply(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """``/is_paused`` from the schedulers' internal states (one per DP rank): paused only when
+    every rank is; the mode and time of rank 0 (the latest ``paused_since`` of all ranks)."""
+    paused = all(state["engine_paused"] for state in states)
+    since = [state["paused_since"] for state in states if state["paused_since"] is not None]
     return {
-        "is_paused": state["engine_paused"],
-        "pause_mode": state["pause_mode"],
-        "paused_since": state["paused_since"],
+        "is_paused": paused,
+        "pause_mode": states[0]["pause_mode"] if paused else None,
+        "paused_since": max(since) if paused and since else None,
     }
 
 

@@ -283,6 +283,9 @@ class GetInternalStateReq:
 class GetInternalStateReqOutput:
     internal_state: dict[str, Any]
     req_id: str = ""
+    # With data parallelism: one state per DP rank (each with its ``dp_rank``), merged by the
+    # DP controller; ``internal_state`` is then rank 0's. None with a single scheduler.
+    internal_states: list[dict[str, Any]] | None = None
 
 
 PAUSE_MODES = ("abort", "retract", "in_place", "keep", "wait")

@@ -20,6 +20,13 @@ from tqdm import tqdm
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.hf_transformers_utils import get_tokenizer
+from sglang.srt.managers.data_parallel_controller import OUTPUT as DP_OUTPUT
+from sglang.srt.managers.data_parallel_controller import REPLY as DP_REPLY
+from sglang.srt.managers.data_parallel_controller import (
+    configure_dp_rank,
+    dp_output_ipc_name,
+    dp_rank_input_ipc_name,
+)
 from sglang.srt.managers.io_struct import (
     BatchTokenIDOutput,
     SchedulerErrorOutput,
@@ -82,16 +89,46 @@ def build_scheduler(
     )
 
 
+def _dp_senders(
+    sock: zmq.Socket, dp_rank: int
+) -> tuple[Callable[[BatchTokenIDOutput], None], Callable[[Any], None]]:
+    """Output and reply sinks of DP rank ``dp_rank``: both go to the controller on ONE socket,
+    so a reply never overtakes the outputs sent before it. Outputs carry their finished rids
+    (the controller forgets where those ran without unpickling the output)."""
+    rank = str(dp_rank).encode()
+
+    def send_output(msg: BatchTokenIDOutput) -> None:
+        finished = [rid for rid, r in zip(msg.rids, msg.finished_reasons) if r is not None]
+        sock.send_multipart([rank, DP_OUTPUT, dumps(msg), dumps(finished)])
+
+    def send_reply(msg: Any) -> None:
+        sock.send_multipart([rank, DP_REPLY, dumps(msg)])
+
+    return send_output, send_reply
+
+
 class SchedulerProcess:
     """Owns the sockets; feeds the core and forwards what it sends."""
 
-    def __init__(self, server_args: ServerArgs, port_args: PortArgs) -> None:
+    def __init__(
+        self, server_args: ServerArgs, port_args: PortArgs, dp_rank: int | None = None
+    ) -> None:
         context = zmq.Context(2)
-        self.recv_sock = get_zmq_socket(
-            context, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True
-        )
         self.send_to_tokenizer = get_zmq_socket(
             context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False
+        )
+        if dp_rank is not None:  # a data-parallel rank talks to the DP controller
+            self.recv_sock = get_zmq_socket(
+                context, zmq.PULL, dp_rank_input_ipc_name(port_args, dp_rank), bind=True
+            )
+            to_controller = get_zmq_socket(
+                context, zmq.PUSH, dp_output_ipc_name(port_args), bind=False
+            )
+            send_output, send_reply = _dp_senders(to_controller, dp_rank)
+            self.scheduler = build_scheduler(server_args, send_output, send_reply)
+            return
+        self.recv_sock = get_zmq_socket(
+            context, zmq.PULL, port_args.scheduler_input_ipc_name, bind=True
         )
         send_to_detokenizer = get_zmq_socket(
             context, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False
@@ -133,16 +170,23 @@ class SchedulerProcess:
 
 
 def run_scheduler_process(
-    server_args: ServerArgs, port_args: PortArgs, pipe_writer: Connection
+    server_args: ServerArgs,
+    port_args: PortArgs,
+    pipe_writer: Connection,
+    dp_rank: int | None = None,
 ) -> None:
-    """Entry point of the scheduler subprocess: report ready (or the error), then loop."""
-    configure_logger(server_args.log_level, prefix=" Scheduler")
+    """Entry point of the scheduler subprocess: report ready (or the error), then loop.
+    ``dp_rank``: this process is that data-parallel rank, behind the DP controller."""
+    prefix = " Scheduler" if dp_rank is None else f" Scheduler DP{dp_rank}"
+    configure_logger(server_args.log_level, prefix=prefix)
     faulthandler.register(signal.SIGUSR1)
     # tqdm's default lock is a multiprocessing semaphore, which this process cannot release when
     # it is killed at shutdown (the resource tracker then warns about a leak): use a thread lock.
     tqdm.set_lock(threading.RLock())
     try:
-        process = SchedulerProcess(server_args, port_args)
+        if dp_rank is not None:
+            configure_dp_rank(server_args, dp_rank)  # threads, memory, device: before loading
+        process = SchedulerProcess(server_args, port_args, dp_rank)
     except Exception as e:  # any failure at start-up is reported to the launcher verbatim
         logger.error("Scheduler failed to start:\n%s", traceback.format_exc())
         pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
@@ -152,5 +196,8 @@ def run_scheduler_process(
         process.event_loop()
     except Exception as e:
         logger.error("Scheduler crashed:\n%s", traceback.format_exc())
-        process.send_to_tokenizer.send(dumps(SchedulerErrorOutput(f"{type(e).__name__}: {e}")))
+        where = "" if dp_rank is None else f"DP rank {dp_rank}: "
+        process.send_to_tokenizer.send(
+            dumps(SchedulerErrorOutput(f"{where}{type(e).__name__}: {e}"))
+        )
         raise

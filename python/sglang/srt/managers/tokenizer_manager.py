@@ -424,7 +424,7 @@ class TokenizerManager:
     async def get_internal_state(self) -> list[dict]:
         """The scheduler's internal state, one dict per scheduler (DESIGN §2 keys)."""
         out = await self._control(GetInternalStateReq())
-        return [out.internal_state]
+        return out.internal_states or [out.internal_state]  # one per DP rank with --dp-size
 
     # ---- weights (docs/weights.md) -------------------------------------------------------------
     async def update_weights_from_disk(

@@ -1,0 +1,64 @@
+"""Merging the replies of every data-parallel rank into the one reply the frontend awaits.
+
+The DP controller fans a control request out to the ranks; each rank answers with the same
+``req_id``. Once every targeted rank has answered, :func:`merge_replies` builds one reply of
+the same type (pure: no sockets, unit-tested without processes):
+
+| field                                   | merged as                                          |
+|-----------------------------------------|----------------------------------------------------|
+| ``success``, ``flushed``                | true only when true on every rank                  |
+| ``was_paused``                          | true when true on any rank                         |
+| ``num_*``, ``flushed_items`` (ints)     | summed over the ranks                              |
+| ``message`` / ``error_msg``             | on failure: ``"DP rank R: reason"`` per failed rank |
+| ``released_tags``                       | union (released on some rank = not fully usable)   |
+| ``internal_state``                      | one dict per rank in ``internal_states``, each     |
+|                                         | with its ``dp_rank``                                |
+| anything else (mode, new_version, ...)  | rank 0's (the lowest rank that answered)           |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sglang.srt.managers.io_struct import GetInternalStateReqOutput
+
+_ALL_FIELDS = frozenset({"success", "flushed"})
+_ANY_FIELDS = frozenset({"was_paused"})
+_MESSAGE_FIELDS = ("message", "error_msg")
+
+
+def merge_replies(replies: dict[int, Any]) -> Any:
+    """One reply standing for ``replies`` (DP rank -> that rank's reply, all of one type)."""
+    ranks = sorted(replies)
+    first = replies[ranks[0]]
+    if isinstance(first, GetInternalStateReqOutput):
+        states = [{**replies[r].internal_state, "dp_rank": r} for r in ranks]
+        return GetInternalStateReqOutput(states[0], req_id=first.req_id, internal_states=states)
+    if not dataclasses.is_dataclass(first) or isinstance(first, type):
+        return first
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(first):
+        per_rank = [getattr(replies[r], f.name) for r in ranks]
+        if f.name in _ALL_FIELDS:
+            values[f.name] = all(per_rank)
+        elif f.name in _ANY_FIELDS:
+            values[f.name] = any(per_rank)
+        elif f.name == "released_tags":
+            values[f.name] = sorted(set().union(*per_rank))
+        elif isinstance(per_rank[0], int) and not isinstance(per_rank[0], bool):
+            values[f.name] = sum(per_rank)
+        else:
+            values[f.name] = per_rank[0]
+    for name in _MESSAGE_FIELDS:
+        if name in values:
+            values[name] = _merged_message(replies, name)
+    return dataclasses.replace(first, **values)
+
+
+def _merged_message(replies: dict[int, Any], name: str) -> str:
+    """Rank 0's message when every rank succeeded, else each failed rank's reason, named."""
+    failed = [r for r in sorted(replies) if getattr(replies[r], "success", True) is False]
+    if not failed:
+        return getattr(replies[min(replies)], name)
+    return "; ".join(f"DP rank {r}: {getattr(replies[r], name)}" for r in failed)

@@ -374,6 +374,26 @@ def test_invariant_check_catches_a_leak(model_dir: str) -> None:
         core.check_invariants()
 
 
+def test_invariant_check_catches_a_page_with_two_owners(model_dir: str) -> None:
+    """A page both held by a running request and listed free (the counts still add up) is
+    reported, as is a page listed free twice."""
+    core, _, _ = make_core(model_dir)
+    submit(core, "a", PROMPTS["a"], 8)
+    core.run_step()  # prefill: "a" now holds pages
+    core.check_invariants()
+    allocator = core.kv.allocator
+    held = int(core.kv.private_slots(core.running_batch.reqs[0])[0]) // allocator.page_size
+    free = allocator._free_pages.clone()
+    allocator._free_pages = torch.cat([free[:-1], torch.tensor([held])])  # swap one id
+    with pytest.raises(AssertionError, match="two owners"):
+        core.check_invariants()
+    allocator._free_pages = torch.cat([free[:-1], free[:1]])  # one free page listed twice
+    with pytest.raises(AssertionError, match="two owners"):
+        core.check_invariants()
+    allocator._free_pages = free
+    core.check_invariants()
+
+
 def test_start_up_weight_version_labels_tokens(model_dir: str) -> None:
     """``--weight-version`` labels the weights loaded at start-up, until a relabel."""
     core, _, sink = make_core(model_dir, weight_version="step-0")

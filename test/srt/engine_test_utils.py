@@ -10,6 +10,8 @@ sleep whose length says nothing about what the scheduler did meanwhile.
 
 from __future__ import annotations
 
+import random
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -136,3 +138,43 @@ def reference_ids(server: ServerProcess) -> list[int]:
     r = httpx.post(server.url + "/generate", json=REFERENCE_REQUEST, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
+
+
+_STORM_ACTIONS = ("retract", "in_place", "abort", "continue", "continue", "flush", "abort_one")
+
+
+def control_storm(
+    engine: sgl.Engine, rng: random.Random, rids: list[str], seconds: float, max_gap_s: float
+) -> None:
+    """For ``seconds``, random control calls on ``engine`` from one other thread: pause in every
+    mode (each must answer "ok"), continue, flush, abort of one of ``rids``; a continue last.
+    Re-raises, here, what failed in that thread."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def driver() -> None:
+        try:
+            while not stop.is_set():
+                action = rng.choice(_STORM_ACTIONS)
+                if action in ("retract", "in_place", "abort"):
+                    reply = engine.pause_generation(mode=action)
+                    assert reply["status"] == "ok", reply
+                elif action == "continue":
+                    engine.continue_generation()
+                elif action == "flush":
+                    engine.flush_cache()
+                else:
+                    engine.abort_request(rid=rng.choice(rids))
+                time.sleep(rng.uniform(0, max_gap_s))
+        except BaseException as exc:  # reported to the test below
+            errors.append(exc)
+        finally:
+            engine.continue_generation()
+
+    thread = threading.Thread(target=driver)
+    thread.start()
+    time.sleep(seconds)
+    stop.set()
+    thread.join()
+    if errors:
+        raise errors[0]

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 import torch.distributed as dist
-from engine_test_utils import assert_kv_all_back, check_complete, post, wait_for
+from engine_test_utils import assert_kv_all_back, check_complete, control_storm, post, wait_for
 from server_test_utils import ServerProcess
 
 import sglang as sgl
@@ -287,28 +287,7 @@ def test_pause_storm_every_request_ends_once_no_leak(engine: sgl.Engine) -> None
 
     with ThreadPoolExecutor(num) as pool:
         futs = [pool.submit(run, i) for i in range(num)]
-        stop = threading.Event()
-
-        def driver() -> None:
-            while not stop.is_set():
-                action = rng.choice(["retract", "in_place", "abort", "continue", "continue",
-                                     "flush", "abort_one"])
-                if action in ("retract", "in_place", "abort"):
-                    assert engine.pause_generation(mode=action)["status"] == "ok"
-                elif action == "continue":
-                    engine.continue_generation()
-                elif action == "flush":
-                    engine.flush_cache()
-                else:
-                    engine.abort_request(rid=f"storm-{rng.randrange(num)}")
-                time.sleep(rng.uniform(0, 0.03))
-            engine.continue_generation()
-
-        control = threading.Thread(target=driver)
-        control.start()
-        time.sleep(3.0)
-        stop.set()
-        control.join()
+        control_storm(engine, rng, [f"storm-{i}" for i in range(num)], 3.0, 0.03)
         outs = [f.result(timeout=120) for f in futs]
     assert ends == {f"storm-{i}": 1 for i in range(num)}
     for out in outs:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import random
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -13,6 +11,7 @@ from engine_test_utils import (
     NUM_REQS,
     assert_kv_all_back,
     check_complete,
+    control_storm,
     engine_state,
     submit_greedy,
     wait_for,
@@ -241,29 +240,7 @@ def test_stress_random_control_calls(engine) -> None:
             )
             for i in range(num)
         ]
-        stop = threading.Event()
-
-        def driver() -> None:
-            while not stop.is_set():
-                action = rng.choice(
-                    ["retract", "in_place", "abort", "continue", "flush", "abort_one"]
-                )
-                if action in ("retract", "in_place", "abort"):
-                    engine.pause_generation(mode=action)
-                elif action == "continue":
-                    engine.continue_generation()
-                elif action == "flush":
-                    engine.flush_cache()
-                else:
-                    engine.abort_request(rid=f"stress-{rng.randrange(num)}")
-                time.sleep(rng.uniform(0, 0.02))
-            engine.continue_generation()
-
-        control = threading.Thread(target=driver)
-        control.start()
-        time.sleep(2.0)
-        stop.set()
-        control.join()
+        control_storm(engine, rng, [f"stress-{i}" for i in range(num)], 2.0, 0.02)
         outs = [f.result(timeout=60) for f in futs]
     for out in outs:
         meta = out["meta_info"]

@@ -208,7 +208,11 @@ def test_custom_weight_loader_server_arg() -> None:
     assert args.custom_weight_loader == []
     args = ServerArgs(model_path="m", device="cpu", custom_weight_loader=["a.b", "c.d.e"])
     assert args.custom_weight_loader == ["a.b", "c.d.e"]
-    for bad in (["nodots"], ["a..b"], "a.b", [3]):
+    # One path as a plain string (as SkyRL passes it) is a list of one.
+    assert ServerArgs(
+        model_path="m", device="cpu", custom_weight_loader="a.b"
+    ).custom_weight_loader == ["a.b"]
+    for bad in (["nodots"], ["a..b"], "nodots", [3], 3):
         with pytest.raises(ValueError, match="custom-weight-loader"):
             ServerArgs(model_path="m", device="cpu", custom_weight_loader=bad)
     parser = argparse.ArgumentParser()

@@ -127,3 +127,21 @@ def test_server_args_doc_is_up_to_date() -> None:
         "docs/server_args.md is stale: run python scripts/gen_server_args_doc.py "
         "--output docs/server_args.md"
     )
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"cpu_bf16_linear": "x"},
+        {"schedule_policy": "random"},
+        {"disable_cpu_weight_prepack": "no"},
+        {"disable_radix_cache": 1},
+        {"enable_metrics": None},
+    ],
+)
+def test_keyword_flags_and_choices_are_checked(kwargs: dict) -> None:
+    """What argparse guarantees on the command line holds for keyword arguments too (Engine):
+    on/off fields are bools, fields with choices hold one of them."""
+    name = next(iter(kwargs)).replace("_", "-")
+    with pytest.raises(ValueError, match=f"--{name}"):
+        ServerArgs(model_path="m", device="cpu", **kwargs)

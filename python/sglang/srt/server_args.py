@@ -275,6 +275,7 @@ class ServerArgs:
 
     def _check(self) -> None:
         """Reject values that we accept on the command line but cannot honour."""
+        self._check_flags_and_choices()
         if (
             not isinstance(self.weight_version, str)
             or not self.weight_version
@@ -354,6 +355,19 @@ class ServerArgs:
                      "max_stop_strings", "max_stop_str_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+    def _check_flags_and_choices(self) -> None:
+        """Every on/off field is a bool and every field with choices holds one of them (or
+        None): the command line guarantees both, keyword arguments (Engine) do not."""
+        hints = typing.get_type_hints(ServerArgs)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            flag = "--" + f.name.replace("_", "-")
+            if hints[f.name] is bool and not isinstance(value, bool):
+                raise ValueError(f"{flag} must be true or false, got {value!r}")
+            choices = f.metadata.get("choices")
+            if choices and value is not None and value not in choices:
+                raise ValueError(f"{flag} must be one of {tuple(choices)}, got {value!r}")
 
     def _check_custom_weight_loader(self) -> None:
         loaders = self.custom_weight_loader

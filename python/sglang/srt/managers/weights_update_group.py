@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+from sglang.srt.managers.control_validation import TENSOR_LOAD_FORMATS
 from sglang.srt.managers.io_struct import (
     InitWeightsUpdateGroupReqInput,
     UpdateWeightsFromDistributedReqInput,
@@ -73,7 +74,7 @@ class WeightsUpdateGroups:
         if obj.group_name not in self._groups:
             raise ValueError(f"no weights update group {obj.group_name!r}; initialize it first")
         group, device = self._groups[obj.group_name]
-        if obj.load_format not in _DISTRIBUTED_LOAD_FORMATS:
+        if obj.load_format not in TENSOR_LOAD_FORMATS:
             raise ValueError(
                 f"unsupported load_format {obj.load_format!r} for update_weights_from_distributed;"
                 " use None or 'flattened_bucket'"
@@ -101,10 +102,6 @@ class WeightsUpdateGroups:
         """Leave group ``group_name``. ValueError when it was never joined."""
         if self._groups.pop(group_name, None) is None:
             raise ValueError(f"no weights update group {group_name!r}")
-
-
-# None / "direct": one broadcast per tensor; "flattened_bucket": one for all (miles, slime).
-_DISTRIBUTED_LOAD_FORMATS = (None, "auto", "direct", "flattened_bucket")
 
 
 def _specs(obj: UpdateWeightsFromDistributedReqInput) -> tuple[list[Any], list[Any], list[Any]]:

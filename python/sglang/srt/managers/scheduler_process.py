@@ -35,7 +35,7 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.req_kv import ReqKV
 from sglang.srt.managers.scheduler import Scheduler
-from sglang.srt.managers.tp_group_io import TpReplies, TpTurnInputs
+from sglang.srt.managers.tp_group_io import TpReplies, TpTurnInputs, tp_collective
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.managers.weight_state import WeightState
 from sglang.srt.mem_cache import create_prefix_cache
@@ -250,7 +250,7 @@ def run_scheduler_process(
             join_tp_group(server_args, tp_rank, dist_init_method)
         process = SchedulerProcess(server_args, port_args, dp_rank, tp_rank)
         # Every rank built its model: a peer that failed is noticed here, before "ready".
-        process.group.barrier()
+        tp_collective("start-up barrier", process.group.barrier)
     except Exception as e:  # any failure at start-up is reported to the launcher verbatim
         logger.error("Scheduler failed to start:\n%s", traceback.format_exc())
         pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})

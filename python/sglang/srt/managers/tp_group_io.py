@@ -33,6 +33,23 @@ from sglang.srt.utils import loads
 logger = logging.getLogger(__name__)
 
 
+class TpPeerLost(RuntimeError):
+    """A collective of the group failed: a peer died (its connections closed) or did not
+    answer within ``--dist-timeout``. This rank cannot go on alone."""
+
+
+def tp_collective(what: str, call: Callable[[], Any]) -> Any:
+    """``call()`` (a collective of the group); its failure as :class:`TpPeerLost`."""
+    try:
+        return call()
+    except RuntimeError as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TpPeerLost(
+            f"the tensor-parallel group lost a peer during the {what} (a rank died or timed "
+            f"out): {reason}"
+        ) from e
+
+
 class TpTurnInputs:
     """Each loop turn's messages, identical on every rank of the group."""
 
@@ -48,7 +65,7 @@ class TpTurnInputs:
             turn: Any = (self.recv_frames(), deadline_due())
         else:
             turn = None
-        frames, due = self.group.broadcast_object(turn)
+        frames, due = tp_collective("turn broadcast", lambda: self.group.broadcast_object(turn))
         return [loads(f) for f in frames], due
 
 
@@ -68,7 +85,7 @@ class TpReplies:
         if not self.buffer:  # the same on every rank: they handled the same inputs
             return
         mine, self.buffer = self.buffer, []
-        gathered = self.group.gather_object(mine)
+        gathered = tp_collective("reply gather", lambda: self.group.gather_object(mine))
         if gathered is not None:
             for msg in merge_turn_replies(gathered):
                 self.send(msg)

@@ -234,12 +234,16 @@ def run_follower_node(server_args: ServerArgs) -> int:
             "Node %d: %s ready; serving until they exit",
             server_args.node_rank, ", ".join(label for _, label in readers.values()),
         )
-        mp_connection.wait([proc.sentinel for proc in procs])
-        dead = [f"{label} (exit code {proc.exitcode})" for proc, label in readers.values()
-                if not proc.is_alive()]
-        logger.error("Node %d: %s exited; stopping this node", server_args.node_rank,
-                     ", ".join(dead))
-        return 0 if all(proc.exitcode == 0 for proc in procs if not proc.is_alive()) else 1
+        ended = mp_connection.wait([proc.sentinel for proc in procs])
+        for proc in procs:
+            if proc.sentinel in ended:
+                proc.join(_SHUTDOWN_STEP_TIMEOUT_S)  # its exit code (the sentinel came first)
+        dead = [(proc, label) for proc, label in readers.values() if proc.exitcode is not None]
+        logger.error(
+            "Node %d: %s exited; stopping this node", server_args.node_rank,
+            ", ".join(f"{label} (exit code {proc.exitcode})" for proc, label in dead),
+        )
+        return 0 if all(proc.exitcode == 0 for proc, _ in dead) else 1
     except RuntimeError as e:
         logger.error("Node %d failed to start: %s", server_args.node_rank, e)
         return 1

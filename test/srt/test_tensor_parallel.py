@@ -6,7 +6,9 @@ clock; and DP=2 x TP=2."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import socket
 import threading
 import time
@@ -366,3 +368,23 @@ def test_dp2_tp2_storm_abort_and_states(model_path: str) -> None:
                 check_complete(fut.result(timeout=120), MAX_NEW)
         _check_no_leak(eng)
         _storm(eng, num=8, seconds=2.0)
+        # A rank that dies (TP rank 1 of replica 1) fails every caller within seconds and
+        # stops every engine process: its group's rank 0 loses its peer, the launcher the rest.
+        procs = {p.name: p for p in eng._procs}
+        assert set(procs) == {"sglang-scheduler-dp0-tp0", "sglang-scheduler-dp0-tp1",
+                              "sglang-scheduler-dp1-tp0", "sglang-scheduler-dp1-tp1",
+                              "sglang-dp-controller", "sglang-detokenizer"}
+        with ThreadPoolExecutor(2) as pool:
+            futs = [pool.submit(eng.generate, input_ids=PROMPTS[i], sampling_params=_greedy())
+                    for i in range(2)]
+            wait_for(lambda: [r["running_batch_size"] for r in _rank_states(eng)] == [1] * 4)
+            eng.pause_generation(mode="in_place")  # neither request can finish meanwhile
+            killed_at = time.monotonic()
+            os.kill(procs["sglang-scheduler-dp1-tp1"].pid, signal.SIGKILL)
+            for fut in futs:
+                with pytest.raises(RuntimeError, match="scheduler died"):
+                    fut.result(timeout=10)
+            assert time.monotonic() - killed_at < 5
+        with pytest.raises(RuntimeError, match="scheduler died"):
+            eng.generate(input_ids=PROMPTS[0], sampling_params=_greedy(4))
+        wait_for(lambda: not any(p.is_alive() for p in procs.values()), timeout=10)

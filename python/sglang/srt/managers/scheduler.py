@@ -547,4 +547,5 @@ class Scheduler:
             "weight_version": self.weights.version,
             "memory_released_tags": sorted(self.memory.released),
             "max_running_requests": self.max_running_requests,
+            "tp_size": self.server_args.tp_size,
         }

@@ -35,7 +35,13 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.req_kv import ReqKV
 from sglang.srt.managers.scheduler import Scheduler
-from sglang.srt.managers.tp_group_io import TpReplies, TpTurnInputs, tp_collective
+from sglang.srt.managers.tp_group_io import (
+    TpReplies,
+    TpTurnInputs,
+    peer_start_failure,
+    publish_start_failure,
+    tp_collective,
+)
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.managers.weight_state import WeightState
 from sglang.srt.mem_cache import create_prefix_cache
@@ -253,7 +259,13 @@ def run_scheduler_process(
         tp_collective("start-up barrier", process.group.barrier)
     except Exception as e:  # any failure at start-up is reported to the launcher verbatim
         logger.error("Scheduler failed to start:\n%s", traceback.format_exc())
-        pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        message = f"{type(e).__name__}: {e}"
+        if dist_init_method is not None and server_args.tp_size > 1:
+            # A peer that failed first is the cause: name it (it may run on another node).
+            cause = peer_start_failure(dist_init_method, server_args.tp_size, tp_rank)
+            message = cause if cause is not None else message
+            publish_start_failure(dist_init_method, tp_rank, message)
+        pipe_writer.send({"status": "error", "message": message})
         return  # exiting closes this rank's connections: its peers' collectives fail at once
     pipe_writer.send(process.ready_info())
     try:

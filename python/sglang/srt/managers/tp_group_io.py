@@ -130,3 +130,42 @@ def _missing_reply(msg: Any, rank: int) -> Any:
         if name in names:
             changes[name] = f"no reply from TP rank {rank} (the ranks diverged)"
     return dataclasses.replace(msg, **changes)
+
+
+# Start-up failures are also written to the rendezvous store (hosted by TP rank 0's process),
+# so that rank 0 can name the rank that failed even when it runs on another node.
+_START_FAILURE_KEY = "sglang/start-failure/{}"
+_STORE_TIMEOUT_S = 5.0
+
+
+def _store_client(init_method: str) -> Any:
+    import datetime
+
+    import torch.distributed as dist
+
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=False,
+                         timeout=datetime.timedelta(seconds=_STORE_TIMEOUT_S))
+
+
+def publish_start_failure(init_method: str, tp_rank: int, message: str) -> None:
+    """Leave ``message`` (why TP rank ``tp_rank`` failed to start) for the group's rank 0;
+    best effort (the store may be gone)."""
+    try:
+        _store_client(init_method).set(_START_FAILURE_KEY.format(tp_rank), message)
+    except Exception:  # the peers still notice the failure: this rank's connections close
+        logger.debug("could not publish the start-up failure", exc_info=True)
+
+
+def peer_start_failure(init_method: str, tp_size: int, tp_rank: int) -> str | None:
+    """``"TP rank R failed to start: <its error>"`` for the first other rank that published
+    one, else None; best effort."""
+    try:
+        store = _store_client(init_method)
+        for rank in range(tp_size):
+            key = _START_FAILURE_KEY.format(rank)
+            if rank != tp_rank and store.check([key]):
+                return f"TP rank {rank} failed to start: {store.get(key).decode()}"
+    except Exception:
+        logger.debug("could not read the peers' start-up failures", exc_info=True)
+    return None

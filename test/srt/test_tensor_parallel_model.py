@@ -39,13 +39,39 @@ MODELS = {  # name -> (arch, config overrides)
     "llama_gqa": ("llama", {}),
     "qwen3": ("qwen3", {}),
     "llama_kv1": ("llama", {"num_key_value_heads": 1}),
+    # Biases everywhere (set to random values after loading: HF initializes them to zero).
+    "llama_bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
 }
 
 
 # ---------------------------------------------------------------- what every rank computes
 def _load(path: str) -> tuple[torch.nn.Module, Any]:
     config = ModelConfig(path, dtype="float32", device="cpu")
-    return get_model(config, "cpu"), config.hf_config
+    model, hf_config = get_model(config, "cpu"), config.hf_config
+    if getattr(hf_config, "attention_bias", False):
+        _randomize_biases(model, hf_config)
+    return model, hf_config
+
+
+def _randomize_biases(model: torch.nn.Module, cfg: Any) -> None:
+    """Seeded random values for every HF bias (full tensors: each rank's loaders narrow)."""
+    gen = torch.Generator().manual_seed(7)
+    d = cfg.hidden_size // cfg.num_attention_heads
+    sizes = {
+        "self_attn.q_proj": cfg.num_attention_heads * d,
+        "self_attn.k_proj": cfg.num_key_value_heads * d,
+        "self_attn.v_proj": cfg.num_key_value_heads * d,
+        "self_attn.o_proj": cfg.hidden_size,
+        "mlp.gate_proj": cfg.intermediate_size,
+        "mlp.up_proj": cfg.intermediate_size,
+        "mlp.down_proj": cfg.hidden_size,
+    }
+    biases = [
+        (f"model.layers.{i}.{module}.bias", torch.randn(size, generator=gen) * 0.5)
+        for i in range(cfg.num_hidden_layers)
+        for module, size in sizes.items()
+    ]
+    model.load_weights(biases, strict=False)
 
 
 def _greedy_run(model: torch.nn.Module, hf_config: Any, **builder_kw: Any) -> dict:
@@ -248,6 +274,8 @@ def _expected_shard(name: str, full: torch.Tensor, rank: int, tp: int, cfg: Any)
         return torch.cat([part.chunk(tp)[rank] for part in full.chunk(2)])
     if ("o_proj" in name or "down_proj" in name) and name.endswith("weight"):
         return full.chunk(tp, dim=1)[rank]
+    if "o_proj" in name or "down_proj" in name:  # a row-parallel bias: whole on every rank
+        return full
     if "embed_tokens" in name or "lm_head" in name:
         per_rank = -(-full.shape[0] // tp)
         rows = full[rank * per_rank : (rank + 1) * per_rank]
@@ -375,10 +403,13 @@ def _check_shards(monkeypatch, path: str, tp: int, full_reads: list) -> None:
         assert full_reads and all(len(shape) == 1 for shape in full_reads), full_reads
 
 
-@pytest.mark.parametrize(("overrides", "tp"), [({"num_key_value_heads": 1}, 2), ({}, 4)])
-def test_safetensors_ranks_read_only_their_shard(monkeypatch, tiny_model_dir, overrides, tp):
+@pytest.mark.parametrize(
+    ("arch", "overrides", "tp"),
+    [("llama", {"num_key_value_heads": 1}, 2), ("llama", {}, 4), ("qwen2", {}, 2)],
+)
+def test_safetensors_ranks_read_only_their_shard(monkeypatch, tiny_model_dir, arch, overrides, tp):
     """KV heads replicated on 2 ranks (1 head) and on 2 of 4 ranks each (2 heads: ranks 0, 1
-    hold head 0, ranks 2, 3 head 1)."""
+    hold head 0, ranks 2, 3 head 1); Qwen2's q/k/v biases split like their weights."""
     from sglang.srt.model_loader import loader
 
     full_reads: list = []
@@ -389,7 +420,7 @@ def test_safetensors_ranks_read_only_their_shard(monkeypatch, tiny_model_dir, ov
         return original(self)
 
     monkeypatch.setattr(loader.SafetensorsWeight, "materialize", spy)
-    path = str(tiny_model_dir("llama", **overrides))
+    path = str(tiny_model_dir(arch, **overrides))
     _check_shards(monkeypatch, path, tp, full_reads)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from model_test_utils import BatchBuilder
+from model_test_utils import BatchBuilder, set_input_logprobs
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed import parallel_state
@@ -80,14 +80,20 @@ def _greedy_run(model: torch.nn.Module, hf_config: Any, **builder_kw: Any) -> di
     num_kv = max(1, hf_config.num_key_value_heads // tp)
     builder = BatchBuilder(hf_config, num_kv_heads=num_kv, **builder_kw)
     rids = [f"r{i}" for i in range(len(PROMPTS))]
-    logits = builder.run(model, builder.extend(list(zip(rids, PROMPTS)))).next_token_logits
+    batch = builder.extend(list(zip(rids, PROMPTS)))
+    # Prompt logprobs of the first prompt's tokens 1.. (rows 0.. predict them), top 3.
+    set_input_logprobs(batch, list(range(len(PROMPTS[0]) - 1)), PROMPTS[0][1:], top_k=3)
+    out = builder.run(model, batch)
+    logits = out.next_token_logits
+    prompt_logprobs = (out.input_token_logprobs, out.input_top_logprobs_val,
+                       out.input_top_logprobs_idx)
     all_logits, tokens = [logits.clone()], [logits.argmax(-1).tolist()]
     for _ in range(NUM_DECODE):
         batch = builder.decode(list(zip(rids, tokens[-1])))
         logits = builder.run(model, batch).next_token_logits
         all_logits.append(logits.clone())
         tokens.append(logits.argmax(-1).tolist())
-    return {"logits": all_logits, "tokens": tokens}
+    return {"logits": all_logits, "tokens": tokens, "prompt_logprobs": prompt_logprobs}
 
 
 WEIGHT_NAMES = [  # names read back with get_weights_by_name
@@ -204,6 +210,17 @@ def _run_one(
     return out
 
 
+def _prepack_scenario(path: str) -> dict:
+    """A default ModelRunner (oneDNN-prepacked linear weights on CPU) on this rank."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=path, device="cpu", random_seed=0, max_total_tokens=300)
+    runner = ModelRunner(args, ModelConfig(path, dtype="float32", device="cpu"))
+    run = _greedy_run(runner.model, runner.model_config.hf_config)
+    return {"run": run, "num_packers": len(runner.weight_packers)}
+
+
 def _rank_main(rank: int, port: int, out_dir: str, paths: dict[str, str]) -> None:
     from sglang.srt.layers.batch_invariant import pin_cpu_blas_numerics
 
@@ -219,6 +236,7 @@ def _rank_main(rank: int, port: int, out_dir: str, paths: dict[str, str]) -> Non
             results[key] = {"run": _greedy_run(model, hf_config), "params": _snapshot(model)}
             if key == "llama_gqa":
                 results["weights"] = _weights_scenario(model, path, rank)
+        results["prepack"] = _prepack_scenario(paths["llama_gqa"])
         results["det"] = _deterministic_scenario(paths["llama_gqa"], rank)
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
@@ -296,6 +314,33 @@ def test_tp2_logits_and_greedy_tokens_match_tp1(tp2, tp1, key: str) -> None:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for got0, got1 in zip(tp2[0][key]["run"]["logits"], tp2[1][key]["run"]["logits"]):
         assert torch.equal(got0, got1)  # every rank samples from the same bits
+
+
+@pytest.mark.parametrize("key", list(MODELS))
+def test_tp2_prompt_logprobs_match_tp1(tp2, tp1, key: str) -> None:
+    want = tp1[key]["run"]["prompt_logprobs"]
+    for rank in range(TP):
+        got = tp2[rank][key]["run"]["prompt_logprobs"]
+        assert got[0].shape == (len(PROMPTS[0]) - 1,)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[2], want[2])
+
+
+def test_tp2_with_cpu_prepack_matches_tp1(tp2, tp1) -> None:
+    from sglang.srt.layers.cpu_prepack import prepack_supported
+
+    ref = tp1["llama_gqa"]["run"]
+    for rank in range(TP):
+        prepack = tp2[rank]["prepack"]
+        if prepack_supported():
+            assert prepack["num_packers"] > 0
+        assert prepack["run"]["tokens"] == ref["tokens"]
+        for got, want in zip(prepack["run"]["logits"], ref["logits"]):
+            # oneDNN sums in another order than F.linear: close, not equal
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for got0, got1 in zip(tp2[0]["prepack"]["run"]["logits"], tp2[1]["prepack"]["run"]["logits"]):
+        assert torch.equal(got0, got1)
 
 
 @pytest.mark.parametrize("key", list(MODELS))

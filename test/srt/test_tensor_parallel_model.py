@@ -38,7 +38,8 @@ NUM_DECODE = 3
 MODELS = {  # name -> (arch, config overrides)
     "llama_gqa": ("llama", {}),
     "qwen3": ("qwen3", {}),
-    "llama_kv1": ("llama", {"num_key_value_heads": 1}),
+    # One KV head for two ranks (replicated), and the LM head tied to the embedding.
+    "llama_kv1": ("llama", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
     # Biases everywhere (set to random values after loading: HF initializes them to zero).
     "llama_bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
 }
@@ -352,6 +353,8 @@ def test_each_rank_holds_its_slice(tp2, tp1, key: str) -> None:
         for name, tensor in params.items():
             expected = _expected_shard(name, full[name], rank, TP, cfg)
             assert torch.equal(tensor, expected), (rank, name)
+    if cfg.tie_word_embeddings:
+        assert "lm_head.weight" not in full  # one parameter: the embedding is the head
     if cfg.num_key_value_heads < TP:  # the single KV head is on both ranks
         name = "model.layers.0.self_attn.qkv_proj.weight"
         q_rows = cfg.num_attention_heads // TP * cfg.hidden_size // cfg.num_attention_heads
@@ -450,11 +453,12 @@ def _check_shards(monkeypatch, path: str, tp: int, full_reads: list) -> None:
 
 @pytest.mark.parametrize(
     ("arch", "overrides", "tp"),
-    [("llama", {"num_key_value_heads": 1}, 2), ("llama", {}, 4), ("qwen2", {}, 2)],
+    [MODELS["llama_kv1"] + (2,), ("llama", {}, 4), ("qwen2", {}, 2)],
 )
 def test_safetensors_ranks_read_only_their_shard(monkeypatch, tiny_model_dir, arch, overrides, tp):
-    """KV heads replicated on 2 ranks (1 head) and on 2 of 4 ranks each (2 heads: ranks 0, 1
-    hold head 0, ranks 2, 3 head 1); Qwen2's q/k/v biases split like their weights."""
+    """KV heads replicated on 2 ranks (1 head; tied LM head) and on 2 of 4 ranks each (2
+    heads: ranks 0, 1 hold head 0, ranks 2, 3 head 1); Qwen2's q/k/v biases split like their
+    weights."""
     from sglang.srt.model_loader import loader
 
     full_reads: list = []

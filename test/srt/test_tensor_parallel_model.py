@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from model_test_utils import BatchBuilder
+from model_test_utils import BatchBuilder, set_input_logprobs
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed import parallel_state
@@ -38,14 +38,41 @@ NUM_DECODE = 3
 MODELS = {  # name -> (arch, config overrides)
     "llama_gqa": ("llama", {}),
     "qwen3": ("qwen3", {}),
-    "llama_kv1": ("llama", {"num_key_value_heads": 1}),
+    # One KV head for two ranks (replicated), and the LM head tied to the embedding.
+    "llama_kv1": ("llama", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
+    # Biases everywhere (set to random values after loading: HF initializes them to zero).
+    "llama_bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
 }
 
 
 # ---------------------------------------------------------------- what every rank computes
 def _load(path: str) -> tuple[torch.nn.Module, Any]:
     config = ModelConfig(path, dtype="float32", device="cpu")
-    return get_model(config, "cpu"), config.hf_config
+    model, hf_config = get_model(config, "cpu"), config.hf_config
+    if getattr(hf_config, "attention_bias", False):
+        _randomize_biases(model, hf_config)
+    return model, hf_config
+
+
+def _randomize_biases(model: torch.nn.Module, cfg: Any) -> None:
+    """Seeded random values for every HF bias (full tensors: each rank's loaders narrow)."""
+    gen = torch.Generator().manual_seed(7)
+    d = cfg.hidden_size // cfg.num_attention_heads
+    sizes = {
+        "self_attn.q_proj": cfg.num_attention_heads * d,
+        "self_attn.k_proj": cfg.num_key_value_heads * d,
+        "self_attn.v_proj": cfg.num_key_value_heads * d,
+        "self_attn.o_proj": cfg.hidden_size,
+        "mlp.gate_proj": cfg.intermediate_size,
+        "mlp.up_proj": cfg.intermediate_size,
+        "mlp.down_proj": cfg.hidden_size,
+    }
+    biases = [
+        (f"model.layers.{i}.{module}.bias", torch.randn(size, generator=gen) * 0.5)
+        for i in range(cfg.num_hidden_layers)
+        for module, size in sizes.items()
+    ]
+    model.load_weights(biases, strict=False)
 
 
 def _greedy_run(model: torch.nn.Module, hf_config: Any, **builder_kw: Any) -> dict:
@@ -54,14 +81,20 @@ def _greedy_run(model: torch.nn.Module, hf_config: Any, **builder_kw: Any) -> di
     num_kv = max(1, hf_config.num_key_value_heads // tp)
     builder = BatchBuilder(hf_config, num_kv_heads=num_kv, **builder_kw)
     rids = [f"r{i}" for i in range(len(PROMPTS))]
-    logits = builder.run(model, builder.extend(list(zip(rids, PROMPTS)))).next_token_logits
+    batch = builder.extend(list(zip(rids, PROMPTS)))
+    # Prompt logprobs of the first prompt's tokens 1.. (rows 0.. predict them), top 3.
+    set_input_logprobs(batch, list(range(len(PROMPTS[0]) - 1)), PROMPTS[0][1:], top_k=3)
+    out = builder.run(model, batch)
+    logits = out.next_token_logits
+    prompt_logprobs = (out.input_token_logprobs, out.input_top_logprobs_val,
+                       out.input_top_logprobs_idx)
     all_logits, tokens = [logits.clone()], [logits.argmax(-1).tolist()]
     for _ in range(NUM_DECODE):
         batch = builder.decode(list(zip(rids, tokens[-1])))
         logits = builder.run(model, batch).next_token_logits
         all_logits.append(logits.clone())
         tokens.append(logits.argmax(-1).tolist())
-    return {"logits": all_logits, "tokens": tokens}
+    return {"logits": all_logits, "tokens": tokens, "prompt_logprobs": prompt_logprobs}
 
 
 WEIGHT_NAMES = [  # names read back with get_weights_by_name
@@ -178,6 +211,17 @@ def _run_one(
     return out
 
 
+def _prepack_scenario(path: str) -> dict:
+    """A default ModelRunner (oneDNN-prepacked linear weights on CPU) on this rank."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=path, device="cpu", random_seed=0, max_total_tokens=300)
+    runner = ModelRunner(args, ModelConfig(path, dtype="float32", device="cpu"))
+    run = _greedy_run(runner.model, runner.model_config.hf_config)
+    return {"run": run, "num_packers": len(runner.weight_packers)}
+
+
 def _rank_main(rank: int, port: int, out_dir: str, paths: dict[str, str]) -> None:
     from sglang.srt.layers.batch_invariant import pin_cpu_blas_numerics
 
@@ -193,6 +237,7 @@ def _rank_main(rank: int, port: int, out_dir: str, paths: dict[str, str]) -> Non
             results[key] = {"run": _greedy_run(model, hf_config), "params": _snapshot(model)}
             if key == "llama_gqa":
                 results["weights"] = _weights_scenario(model, path, rank)
+        results["prepack"] = _prepack_scenario(paths["llama_gqa"])
         results["det"] = _deterministic_scenario(paths["llama_gqa"], rank)
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
@@ -248,6 +293,8 @@ def _expected_shard(name: str, full: torch.Tensor, rank: int, tp: int, cfg: Any)
         return torch.cat([part.chunk(tp)[rank] for part in full.chunk(2)])
     if ("o_proj" in name or "down_proj" in name) and name.endswith("weight"):
         return full.chunk(tp, dim=1)[rank]
+    if "o_proj" in name or "down_proj" in name:  # a row-parallel bias: whole on every rank
+        return full
     if "embed_tokens" in name or "lm_head" in name:
         per_rank = -(-full.shape[0] // tp)
         rows = full[rank * per_rank : (rank + 1) * per_rank]
@@ -271,6 +318,33 @@ def test_tp2_logits_and_greedy_tokens_match_tp1(tp2, tp1, key: str) -> None:
 
 
 @pytest.mark.parametrize("key", list(MODELS))
+def test_tp2_prompt_logprobs_match_tp1(tp2, tp1, key: str) -> None:
+    want = tp1[key]["run"]["prompt_logprobs"]
+    for rank in range(TP):
+        got = tp2[rank][key]["run"]["prompt_logprobs"]
+        assert got[0].shape == (len(PROMPTS[0]) - 1,)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[2], want[2])
+
+
+def test_tp2_with_cpu_prepack_matches_tp1(tp2, tp1) -> None:
+    from sglang.srt.layers.cpu_prepack import prepack_supported
+
+    ref = tp1["llama_gqa"]["run"]
+    for rank in range(TP):
+        prepack = tp2[rank]["prepack"]
+        if prepack_supported():
+            assert prepack["num_packers"] > 0
+        assert prepack["run"]["tokens"] == ref["tokens"]
+        for got, want in zip(prepack["run"]["logits"], ref["logits"]):
+            # oneDNN sums in another order than F.linear: close, not equal
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for got0, got1 in zip(tp2[0]["prepack"]["run"]["logits"], tp2[1]["prepack"]["run"]["logits"]):
+        assert torch.equal(got0, got1)
+
+
+@pytest.mark.parametrize("key", list(MODELS))
 def test_each_rank_holds_its_slice(tp2, tp1, key: str) -> None:
     full, cfg = tp1[key]["params"], tp1[key]["config"]
     for rank in range(TP):
@@ -279,6 +353,8 @@ def test_each_rank_holds_its_slice(tp2, tp1, key: str) -> None:
         for name, tensor in params.items():
             expected = _expected_shard(name, full[name], rank, TP, cfg)
             assert torch.equal(tensor, expected), (rank, name)
+    if cfg.tie_word_embeddings:
+        assert "lm_head.weight" not in full  # one parameter: the embedding is the head
     if cfg.num_key_value_heads < TP:  # the single KV head is on both ranks
         name = "model.layers.0.self_attn.qkv_proj.weight"
         q_rows = cfg.num_attention_heads // TP * cfg.hidden_size // cfg.num_attention_heads
@@ -375,10 +451,14 @@ def _check_shards(monkeypatch, path: str, tp: int, full_reads: list) -> None:
         assert full_reads and all(len(shape) == 1 for shape in full_reads), full_reads
 
 
-@pytest.mark.parametrize(("overrides", "tp"), [({"num_key_value_heads": 1}, 2), ({}, 4)])
-def test_safetensors_ranks_read_only_their_shard(monkeypatch, tiny_model_dir, overrides, tp):
-    """KV heads replicated on 2 ranks (1 head) and on 2 of 4 ranks each (2 heads: ranks 0, 1
-    hold head 0, ranks 2, 3 head 1)."""
+@pytest.mark.parametrize(
+    ("arch", "overrides", "tp"),
+    [MODELS["llama_kv1"] + (2,), ("llama", {}, 4), ("qwen2", {}, 2)],
+)
+def test_safetensors_ranks_read_only_their_shard(monkeypatch, tiny_model_dir, arch, overrides, tp):
+    """KV heads replicated on 2 ranks (1 head; tied LM head) and on 2 of 4 ranks each (2
+    heads: ranks 0, 1 hold head 0, ranks 2, 3 head 1); Qwen2's q/k/v biases split like their
+    weights."""
     from sglang.srt.model_loader import loader
 
     full_reads: list = []
@@ -389,7 +469,7 @@ def test_safetensors_ranks_read_only_their_shard(monkeypatch, tiny_model_dir, ov
         return original(self)
 
     monkeypatch.setattr(loader.SafetensorsWeight, "materialize", spy)
-    path = str(tiny_model_dir("llama", **overrides))
+    path = str(tiny_model_dir(arch, **overrides))
     _check_shards(monkeypatch, path, tp, full_reads)
 
 

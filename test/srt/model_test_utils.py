@@ -41,7 +41,10 @@ class BatchBuilder:
         seed: int = 0,
         backend_name: str = "torch_native",
         device: str = "cpu",
+        num_kv_heads: int | None = None,
     ) -> None:
+        """``num_kv_heads``: KV heads of the pool (a tensor-parallel rank's own), default the
+        config's."""
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
@@ -51,7 +54,7 @@ class BatchBuilder:
             num_slots,
             PAGE_SIZE,
             dtype,
-            config.num_key_value_heads,
+            num_kv_heads or config.num_key_value_heads,
             head_dim,
             config.num_hidden_layers,
             device,

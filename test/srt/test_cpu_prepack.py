@@ -13,7 +13,7 @@ from sglang.srt.layers.cpu_prepack import (
     pack_now,
     prepack_supported,
 )
-from sglang.srt.layers.linear import QKVLinear, ReplicatedLinear
+from sglang.srt.layers.linear import QKVParallelLinear, ReplicatedLinear
 from sglang.srt.layers.logits_processor import LogitsProcessor
 
 pytestmark = pytest.mark.skipif(not prepack_supported(), reason="torch built without oneDNN")
@@ -77,7 +77,7 @@ def test_pack_now_covers_layers_and_lm_head() -> None:
     class Tiny(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.qkv = QKVLinear(32, 8, 4, 2)
+            self.qkv = QKVParallelLinear(32, 8, 4, 2)
             self.lm_head = ReplicatedLinear(32, 100)
             self.logits_processor = LogitsProcessor(object())
 

@@ -32,7 +32,9 @@ __all__ = [
     "get_tp_group",
     "init_distributed_environment",
     "tensor_model_parallel_all_gather",
+    "tensor_model_parallel_all_gather_object",
     "tensor_model_parallel_all_reduce",
+    "tensor_model_parallel_min",
 ]
 
 
@@ -171,3 +173,21 @@ def divide(numerator: int, denominator: int) -> int:
     if numerator % denominator != 0:
         raise ValueError(f"{numerator} is not divisible by {denominator}")
     return numerator // denominator
+
+
+# ---- object collectives over the CPU group (the model's side of tensor parallelism) ---------
+def tensor_model_parallel_all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank (over the gloo CPU
+    group, whatever the device). A group of one returns ``[obj]``."""
+    group = get_tp_group()
+    if group.world_size == 1:
+        return [obj]
+    gathered: list[Any] = [None] * group.world_size
+    dist.all_gather_object(gathered, obj, group=group.cpu_group)
+    return gathered
+
+
+def tensor_model_parallel_min(value: int) -> int:
+    """The smallest ``value`` over the ranks, on every rank (sizes that must agree, such as
+    the KV pool's)."""
+    return int(min(tensor_model_parallel_all_gather_object(int(value))))

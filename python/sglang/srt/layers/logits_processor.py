@@ -1,4 +1,9 @@
-"""Hidden states -> next-token logits (last new token of each request) and prompt logprobs."""
+"""Hidden states -> next-token logits (last new token of each request) and prompt logprobs.
+
+With tensor parallelism each rank multiplies by its vocabulary slice of the LM head
+(layers/vocab_embedding.py) and the slices are all-gathered (a concatenation: exact) and the
+padding cut, so every rank samples from the same full-vocabulary logits.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.layers.linear import linear
 from sglang.srt.layers.sampler import row_logsumexp
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -38,6 +44,8 @@ class LogitsProcessor(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+        # The full vocabulary: the gathered logits of the ranks lose their padding beyond it.
+        self.vocab_size: int | None = getattr(config, "vocab_size", None)
         # The product used for logits; deterministic mode swaps in a batch-invariant one.
         self.linear_fn = linear
         # log Z of prompt-logprob rows: the model runner sets the sampling backend's own
@@ -46,7 +54,11 @@ class LogitsProcessor(nn.Module):
 
     def _logits(self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         # The matmul runs in the model dtype (as HF does); sampling math is float32 from here on.
-        logits = self.linear_fn(hidden_states, lm_head_weight).float()
+        logits = self.linear_fn(hidden_states, lm_head_weight)
+        group = get_tp_group()
+        if group.world_size > 1:  # each rank has a vocabulary slice: gather, drop the padding
+            logits = group.all_gather(logits, dim=-1)[:, : self.vocab_size].contiguous()
+        logits = logits.float()
         if self.final_logit_softcapping:
             cap = float(self.final_logit_softcapping)
             logits = torch.tanh(logits / cap) * cap
@@ -86,8 +98,9 @@ class LogitsProcessor(nn.Module):
         targets = forward_batch.input_logprob_targets
         if rows is None or targets is None or targets.shape != rows.shape:
             raise ValueError("input_logprob_targets must be given with the same shape as rows")
-        top_k = min(forward_batch.input_top_logprobs_num, lm_head_weight.shape[0])
-        chunk = max(1, _LOGPROB_CHUNK_ELEMENTS // lm_head_weight.shape[0])
+        vocab_size = self.vocab_size or lm_head_weight.shape[0]
+        top_k = min(forward_batch.input_top_logprobs_num, vocab_size)
+        chunk = max(1, _LOGPROB_CHUNK_ELEMENTS // vocab_size)
         token_logprobs, top_vals, top_idx = [], [], []
         for start in range(0, rows.numel(), chunk):
             chunk_rows = rows[start : start + chunk]

@@ -445,10 +445,22 @@ class TokenizerManager:
         self, obj: UpdateWeightsFromTensorReqInput, request: fastapi.Request | None = None
     ) -> UpdateWeightsFromTensorReqOutput:
         """Send ``obj.named_tensors`` (pickled) to the scheduler and copy them into the model.
-        Upstream's ``serialized_named_tensors`` payload is decoded here first; one that does not
-        decode to (name, tensor) pairs, or an invalid request, is refused (``success=False``)
-        without reaching the scheduler. The reply unpacks as upstream's ``(success, message)``."""
-        if obj.serialized_named_tensors is not None:
+        Upstream's ``serialized_named_tensors`` payload is decoded here first (with
+        ``--tp-size > 1`` it is sent on as it is, one entry per rank, each rank decoding its
+        own); one that does not decode to (name, tensor) pairs, or an invalid request, is
+        refused (``success=False``) without reaching the scheduler. The reply unpacks as
+        upstream's ``(success, message)``."""
+        tp_size = self.server_args.tp_size
+        if obj.serialized_named_tensors is not None and tp_size > 1:
+            # One entry per tensor-parallel rank: each rank decodes its own (weight_updater).
+            if len(obj.serialized_named_tensors) != tp_size:
+                return UpdateWeightsFromTensorReqOutput(
+                    False,
+                    f"serialized_named_tensors has {len(obj.serialized_named_tensors)} entries; "
+                    f"with --tp-size {tp_size} it needs one per tensor-parallel rank",
+                    req_id=obj.req_id,
+                )
+        elif obj.serialized_named_tensors is not None:
             try:
                 named = decode_named_tensors(
                     obj.serialized_named_tensors, load_format=obj.load_format

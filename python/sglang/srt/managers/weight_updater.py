@@ -11,15 +11,25 @@ half-updated model. Order of an update:
 5. make old-weight KV unmatchable: a full flush when asked and nothing holds KV, else
    ``tree_cache.invalidate()`` (requests paused in place keep their old-weight KV, which is
    never cached: see req_kv).
+
+With tensor parallelism every rank runs the same handler in the same loop turn: each loads
+its shard of the full tensors (weight loaders narrow them), the ranks agree on validation
+(step 1 refused anywhere is refused on every rank, naming the rank, before any rank changes
+anything) and ``get_weights_by_name`` gathers the full weight. Upstream's per-rank
+``serialized_named_tensors`` list gives rank r entry r.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed.parallel_state import (
+    get_tp_group,
+    tensor_model_parallel_all_gather_object,
+)
 from sglang.srt.managers.control_hooks import SchedulerHooks
 from sglang.srt.managers.control_validation import NOT_LOADABLE
 from sglang.srt.managers.io_struct import (
@@ -35,6 +45,7 @@ from sglang.srt.managers.io_struct import (
 from sglang.srt.managers.memory_occupation import MemoryOccupation
 from sglang.srt.managers.weight_state import WeightState
 from sglang.srt.model_loader import weight_update as wu
+from sglang.srt.utils.multiprocessing_serializer import decode_named_tensors
 
 if TYPE_CHECKING:
     from torch import nn
@@ -101,11 +112,18 @@ class WeightUpdater:
         """Validate, then swap in the checkpoint at ``recv.model_path``."""
         if self._released():
             return UpdateWeightFromDiskReqOutput(False, _RELEASED, req_id=recv.req_id)
+        new_config: ModelConfig | None = None
         try:
             new_config = self._validate_disk(recv.model_path, recv.load_format)
+            error = None
         except Exception as e:  # any refusal, including unreadable configs, changes nothing
-            logger.warning("Refused weight update from %s: %s", recv.model_path, e)
-            return UpdateWeightFromDiskReqOutput(False, f"Update refused: {e}", req_id=recv.req_id)
+            error = str(e)
+        error = agree_on_refusal(error)
+        if error is not None or new_config is None:
+            logger.warning("Refused weight update from %s: %s", recv.model_path, error)
+            return UpdateWeightFromDiskReqOutput(
+                False, f"Update refused: {error}", req_id=recv.req_id
+            )
         self._abort_all(recv.abort_all_requests)
         try:
             wu.load_checkpoint(self.model, new_config)
@@ -127,15 +145,21 @@ class WeightUpdater:
             return UpdateWeightsFromTensorReqOutput(False, _RELEASED, req_id=recv.req_id)
         if recv.load_format not in wu.TENSOR_LOAD_FORMATS:
             return self._update_with_custom_loader(recv)
+        named_tensors: list[tuple[str, Any]] = []
         try:
-            wu.validate_tensors(self.meta_model(), recv.named_tensors, recv.load_format)
+            named_tensors = rank_named_tensors(recv)
+            wu.validate_tensors(self.meta_model(), named_tensors, recv.load_format)
+            error = None
         except Exception as e:  # whatever the caller sent, a refusal changes nothing
-            logger.warning("Refused tensor weight update: %s", e)
-            return UpdateWeightsFromTensorReqOutput(False, str(e), req_id=recv.req_id)
+            error = str(e)
+        error = agree_on_refusal(error)
+        if error is not None:
+            logger.warning("Refused tensor weight update: %s", error)
+            return UpdateWeightsFromTensorReqOutput(False, error, req_id=recv.req_id)
         self._abort_all(recv.abort_all_requests)
         try:
-            wu.load_tensors(self.model, recv.named_tensors, recv.load_format)
-            ok, message = True, f"Succeeded to update {len(recv.named_tensors)} tensor(s)."
+            wu.load_tensors(self.model, named_tensors, recv.load_format)
+            ok, message = True, f"Succeeded to update {len(named_tensors)} tensor(s)."
         except Exception as e:  # not expected after validation; the copy may be partial
             logger.exception("Tensor weight update failed after validation")
             ok, message = False, f"Failed to copy the tensors: {e}; the model may be partial"
@@ -152,14 +176,20 @@ class WeightUpdater:
         or does not import is refused unchanged; the loader itself is not dry-run, so one that
         raises may have changed part of the model."""
         assert recv.load_format is not None
+        named_tensors: list[tuple[str, Any]] = []
         try:
             loader = wu.resolve_custom_loader(recv.load_format, self.custom_weight_loader)
-        except wu.WeightUpdateError as e:
-            logger.warning("Refused tensor weight update: %s", e)
-            return UpdateWeightsFromTensorReqOutput(False, str(e), req_id=recv.req_id)
+            named_tensors = rank_named_tensors(recv)
+            error = None
+        except (wu.WeightUpdateError, ValueError) as e:
+            error = str(e)
+        error = agree_on_refusal(error)
+        if error is not None:
+            logger.warning("Refused tensor weight update: %s", error)
+            return UpdateWeightsFromTensorReqOutput(False, error, req_id=recv.req_id)
         self._abort_all(recv.abort_all_requests)
         try:
-            wu.load_with_custom_loader(self.model, loader, recv.named_tensors)
+            wu.load_with_custom_loader(self.model, loader, named_tensors)
             ok, message = True, f"Succeeded to update the weights with {recv.load_format}."
         except Exception as e:
             logger.exception("Custom weight loader %s failed", recv.load_format)
@@ -273,6 +303,36 @@ class WeightUpdater:
             self.state.version = weight_version
         if not (flush and self.hooks.num_kv_holders() == 0 and self.hooks.flush_cache()):
             self.hooks.invalidate_cache()
+
+
+def rank_named_tensors(recv: UpdateWeightsFromTensorReqInput) -> list[tuple[str, Any]]:
+    """The (name, full tensor) pairs this rank loads: entry ``tp_rank`` of upstream's
+    per-rank ``serialized_named_tensors`` list (one entry per rank; with one rank, the first
+    of any non-empty list), else ``named_tensors`` (the same for every rank). ValueError for a
+    list of the wrong length or an entry that does not decode."""
+    serialized = recv.serialized_named_tensors
+    if serialized is None:
+        return list(recv.named_tensors)
+    group = get_tp_group()
+    if not isinstance(serialized, list) or not serialized:
+        raise ValueError("serialized_named_tensors must be a non-empty list")
+    if group.world_size > 1 and len(serialized) != group.world_size:
+        raise ValueError(
+            f"serialized_named_tensors has {len(serialized)} entries; with --tp-size "
+            f"{group.world_size} it needs one per tensor-parallel rank"
+        )
+    return decode_named_tensors(serialized, group.rank, recv.load_format)
+
+
+def agree_on_refusal(error: str | None) -> str | None:
+    """Every rank's verdict on a validation (None: accepted); returns None only when every
+    rank accepted, else the refusals, each naming its rank (one rank: its own message). A
+    collective: every rank calls it for the same request."""
+    errors = tensor_model_parallel_all_gather_object(error)
+    if len(errors) == 1:
+        return error
+    refusals = [f"rank {rank}: {e}" for rank, e in enumerate(errors) if e is not None]
+    return "; ".join(refusals) if refusals else None
 
 
 def _dtype_name(model_config: ModelConfig) -> str:

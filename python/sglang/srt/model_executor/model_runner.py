@@ -2,6 +2,11 @@
 
 It mutates nothing of the scheduler's: it reads a ForwardBatch, writes K/V into the pool slots
 the batch names, and returns logits.
+
+With tensor parallelism (the group joined before this is built) each rank's runner holds its
+shard of the weights and a KV pool of its own KV heads; the pool size in tokens and the
+number of request rows are agreed (the minimum over the ranks), so that every rank's
+scheduler, taking the same decisions, finds the same slots free.
 """
 
 from __future__ import annotations
@@ -11,6 +16,10 @@ import logging
 import torch
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed.parallel_state import (
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_min,
+)
 from sglang.srt.layers.attention import get_attention_backend_class
 from sglang.srt.layers.batch_invariant import enable_batch_invariant_mode
 from sglang.srt.layers.cpu_prepack import (
@@ -43,11 +52,15 @@ class ModelRunner:
         self.dtype = model_config.dtype
         self.page_size = server_args.page_size
         torch.manual_seed(server_args.random_seed)
+        self.tp_size = get_tensor_model_parallel_world_size()
+        # KV heads of this rank (replicated when there are fewer KV heads than ranks).
+        self.num_kv_heads = model_config.get_num_kv_heads(self.tp_size)
 
         self.model = get_model(model_config, self.device)
         # Parameter shapes while the weights are released (release_weights), by name.
         self._released_shapes: dict[str, torch.Size] = {}
-        self.max_total_num_tokens = self._kv_pool_size()
+        # Identical on every rank (the minimum), and so is everything derived from it.
+        self.max_total_num_tokens = tensor_model_parallel_min(self._kv_pool_size())
         self.max_running_requests = server_args.max_running_requests or min(
             _MAX_DEFAULT_RUNNING_REQUESTS, max(1, self.max_total_num_tokens // 8)
         )
@@ -58,7 +71,7 @@ class ModelRunner:
             self.max_total_num_tokens,
             self.page_size,
             self.dtype,
-            model_config.num_key_value_heads,
+            self.num_kv_heads,
             model_config.head_dim,
             model_config.num_hidden_layers,
             self.device,
@@ -85,9 +98,11 @@ class ModelRunner:
             if isinstance(module, LogitsProcessor):
                 module.logsumexp_fn = logsumexp
         logger.info(
-            "KV pool: %d tokens (%.1f MiB), max running requests %d",
+            "KV pool: %d tokens (%.1f MiB, %d KV heads per rank of %d), max running requests %d",
             self.max_total_num_tokens,
             self.max_total_num_tokens * self._kv_bytes_per_token() / 2**20,
+            self.num_kv_heads,
+            self.tp_size,
             self.max_running_requests,
         )
 
@@ -120,11 +135,12 @@ class ModelRunner:
     def _kv_bytes_per_token(self) -> int:
         cfg = self.model_config
         return MHATokenToKVPool.bytes_per_token(
-            self.dtype, cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+            self.dtype, self.num_kv_heads, cfg.head_dim, cfg.num_hidden_layers
         )
 
     def _kv_pool_size(self) -> int:
-        """Tokens in the KV pool: --max-total-tokens, else a fraction of free memory."""
+        """Tokens in this rank's KV pool: --max-total-tokens, else a fraction of free memory
+        (the ranks then agree on the minimum)."""
         size = self.server_args.max_total_tokens
         if size is None:
             fraction = self.server_args.mem_fraction_static
@@ -135,7 +151,8 @@ class ModelRunner:
                 import psutil
 
                 budget = psutil.virtual_memory().available * (fraction or _DEFAULT_CPU_KV_FRACTION)
-            size = int(budget // self._kv_bytes_per_token())
+            # Agreed before the check, so that every rank raises (none waits on the others).
+            size = tensor_model_parallel_min(int(budget // self._kv_bytes_per_token()))
             if size < 16:
                 raise RuntimeError(
                     "Not enough memory for the KV cache; lower the model size or set "

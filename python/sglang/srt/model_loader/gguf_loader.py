@@ -8,6 +8,13 @@ llama.cpp's converter changes three things that we undo here:
   ``[x0..x(d/2-1) | y0..y(d/2-1)]`` to interleaved pairs ``[x0 y0 x1 y1 ...]``.
 
 Quantized tensors (Q4_1, Q8_0, ...) are dequantized with ``gguf.quants.dequantize`` to float32.
+
+Tensor-parallel ranks read their shard lazily (:class:`GGUFWeight`): quantization blocks run
+along a row, so a range of rows (column-parallel layers, the vocabulary) is dequantized alone,
+and so is a range of columns (row-parallel layers) whose ends fall on block boundaries (32
+values for the common types; every split of SmolLM2 does). A column range that cuts a block
+is read by dequantizing the whole tensor and narrowing. Q/K rows are un-permuted per head,
+which a row range of whole heads keeps intact (a range cutting a head dequantizes it all).
 """
 
 from __future__ import annotations
@@ -23,9 +30,12 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGUFReader
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig
+
+from sglang.srt.layers.linear import LazyWeight
 
 logger = logging.getLogger(__name__)
 
@@ -190,31 +200,98 @@ def gguf_to_hf_config(path: str) -> LlamaConfig:
     return _config_from_reader(_open(path))
 
 
-def _iterate_reader(reader: GGUFReader, config: LlamaConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _to_torch(array: np.ndarray) -> torch.Tensor:
+    if not array.flags.writeable:  # memory-mapped F32/F16 data: torch wants a writable copy
+        array = np.array(array)
+    return torch.from_numpy(array).to(torch.float32)
+
+
+class GGUFWeight(LazyWeight):
+    """One GGUF tensor in HF shape and row order, dequantized on demand (float32, then cast
+    to ``dtype``). ``num_heads``: the Q/K head count whose rows llama.cpp permuted, else None.
+    """
+
+    def __init__(self, tensor: Any, num_heads: int | None, dtype: torch.dtype | None) -> None:
+        self._tensor = tensor
+        self._num_heads = num_heads
+        self._dtype = dtype
+        self.shape = torch.Size(_torch_shape(tensor))
+
+    def _finish(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight if self._dtype is None else weight.to(self._dtype)
+
+    def _dequantize(self, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+        return _to_torch(dequantize(data, self._tensor.tensor_type).reshape(shape))
+
+    def _read_all(self) -> torch.Tensor:
+        weight = self._dequantize(self._tensor.data, tuple(self.shape))
+        if self._num_heads is not None:
+            weight = unpermute_rotary_rows(weight, self._num_heads)
+        return weight
+
+    def materialize(self) -> torch.Tensor:
+        return self._finish(self._read_all())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        part = self._read_rows(start, length) if dim == 0 else None
+        if dim == 1 and len(self.shape) == 2 and self._num_heads is None:
+            part = self._read_columns(start, length)
+        if part is None:  # no shortcut for this range: dequantize all, then narrow
+            part = self._read_all().narrow(dim, start, length)
+        return self._finish(part)
+
+    def _read_rows(self, start: int, length: int) -> torch.Tensor | None:
+        rest = tuple(self.shape[1:])
+        if self._tensor.data.shape[0] != self.shape[0]:  # not stored row by row
+            return None
+        if self._num_heads is None:
+            return self._dequantize(self._tensor.data[start : start + length], (length, *rest))
+        head_rows = self.shape[0] // self._num_heads
+        if start % head_rows or length % head_rows:
+            return None
+        data = self._tensor.data[start : start + length]
+        weight = self._dequantize(data, (length, *rest))
+        return unpermute_rotary_rows(weight, length // head_rows)
+
+    def _read_columns(self, start: int, length: int) -> torch.Tensor | None:
+        data_cols = self._tensor.data.shape[-1]
+        if data_cols == self.shape[1]:  # one array element per value (F32, F16)
+            block, block_bytes = 1, 1
+        else:  # bytes of quantization blocks
+            block, block_bytes = GGML_QUANT_SIZES[self._tensor.tensor_type]
+            if data_cols != self.shape[1] // block * block_bytes:
+                return None
+        if start % block or length % block:
+            return None
+        first, last = start // block * block_bytes, (start + length) // block * block_bytes
+        data = self._tensor.data[:, first:last]
+        return self._dequantize(np.ascontiguousarray(data), (self.shape[0], length))
+
+
+def _iterate_reader(
+    reader: GGUFReader, config: LlamaConfig, lazy: bool = False, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
     heads_by_kind = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     for tensor in reader.tensors:
         hf_name = gguf_tensor_name_to_hf(tensor.name)
         if hf_name is None:
             continue
-        array = dequantize(tensor.data, tensor.tensor_type).reshape(_torch_shape(tensor))
-        if not array.flags.writeable:  # memory-mapped F32/F16 data: torch wants a writable copy
-            array = np.array(array)
-        weight = torch.from_numpy(array).to(torch.float32)
-        num_heads = heads_by_kind.get(tensor.name.split(".")[-2])
-        if num_heads is not None:
-            weight = unpermute_rotary_rows(weight, num_heads)
-        yield hf_name, weight
+        weight = GGUFWeight(tensor, heads_by_kind.get(tensor.name.split(".")[-2]), dtype)
+        yield hf_name, weight if lazy else weight.materialize()
 
 
-def iterate_gguf_weights(path: str, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every weight of a llama-arch GGUF file.
+def iterate_gguf_weights(
+    path: str, progress: bool = False, lazy: bool = False, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    """Yield ``(hf_name, float32 tensor)`` for every weight of a llama-arch GGUF file
+    (``lazy``: a :class:`GGUFWeight` to narrow; ``dtype``: cast to it instead of float32).
 
     Tensors are dequantized one at a time (peak extra memory: one tensor), in HF shape and
     HF Q/K row order. Tied checkpoints yield no ``lm_head.weight``. ``progress`` shows a tqdm
     bar over the tensors.
     """
     reader = _open(path)
-    weights = _iterate_reader(reader, _config_from_reader(reader))
+    weights = _iterate_reader(reader, _config_from_reader(reader), lazy, dtype)
     total = sum(1 for t in reader.tensors if t.name not in _IGNORED_TENSORS)
     yield from tqdm(weights, total=total, desc="Loading GGUF", unit="tensor", disable=not progress)
 
@@ -265,7 +342,9 @@ def save_gguf_as_hf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.flo
     config = _config_from_reader(reader)
     config.dtype = dtype
     state_dict = {
-        name: weight.to(dtype).contiguous() for name, weight in _iterate_reader(reader, config)
+        name: weight.to(dtype).contiguous()
+        for name, weight in _iterate_reader(reader, config)
+        if isinstance(weight, torch.Tensor)
     }
     chat_template = reader.fields.get("tokenizer.chat_template")
     out_dir = os.path.abspath(out_dir)

@@ -11,6 +11,12 @@ Weight sources, picked by ``load_format``:
 
 Every tensor is cast to the model dtype on the CPU as it streams (halving host->device
 traffic for 16-bit models) and handed to the model's ``load_weights``, which places it.
+
+With ``lazy=True`` (what model loading uses) safetensors and GGUF tensors are handed over as
+:class:`~sglang.srt.layers.linear.LazyWeight` objects: the weight loader of a split parameter
+reads only this tensor-parallel rank's rows or columns (safetensors: ``get_slice``; GGUF:
+see gguf_loader). A lazy weight must be used before the iterator advances (its file may
+close). ``pytorch_model*.bin`` files are read whole on every rank.
 """
 
 from __future__ import annotations
@@ -21,12 +27,13 @@ import json
 import logging
 import os
 from collections.abc import Iterable, Iterator
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from tqdm import tqdm
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.layers.linear import LazyWeight, WeightSource
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +48,7 @@ class WeightLoadable(Protocol):
     it has no parameter for is a ValueError, and so is, with ``strict``, an unfilled one."""
 
     def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True
+        self, weights: Iterable[tuple[str, WeightSource]], *, strict: bool = True
     ) -> None: ...
 
 
@@ -93,10 +100,30 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor.to(dtype)
 
 
+class SafetensorsWeight(LazyWeight):
+    """One tensor of an open safetensors file, read (and cast to ``dtype``) on demand."""
+
+    def __init__(self, handle: Any, name: str, dtype: torch.dtype | None) -> None:
+        self._handle = handle
+        self._name = name
+        self._dtype = dtype
+        self._slice = handle.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return _cast(self._slice[tuple(index)], self._dtype)
+
+    def materialize(self) -> torch.Tensor:
+        return _cast(self._handle.get_tensor(self._name), self._dtype)
+
+
 def iterate_safetensors(
-    files: list[str], dtype: torch.dtype | None = None, progress: bool = True
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of the given safetensors files, one at a time.
+    files: list[str], dtype: torch.dtype | None = None, progress: bool = True, lazy: bool = False
+) -> Iterator[tuple[str, WeightSource]]:
+    """Yield ``(name, tensor)`` for every tensor of the given safetensors files, one at a time
+    (``lazy``: a :class:`SafetensorsWeight` instead, read when a loader narrows it).
 
     Floating tensors are cast to ``dtype`` when given. Memory stays at about one tensor.
     """
@@ -110,7 +137,10 @@ def iterate_safetensors(
         for path in files:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                    yield name, _cast(f.get_tensor(name), dtype)
+                    if lazy:
+                        yield name, SafetensorsWeight(f, name, dtype)
+                    else:
+                        yield name, _cast(f.get_tensor(name), dtype)
                     bar.update(1)
 
 
@@ -127,19 +157,24 @@ def iterate_bin_files(
 
 
 def iterate_gguf(
-    path: str, dtype: torch.dtype | None = None, progress: bool = True
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the HF-named, dequantized weights of a GGUF file, cast to ``dtype``."""
+    path: str, dtype: torch.dtype | None = None, progress: bool = True, lazy: bool = False
+) -> Iterator[tuple[str, WeightSource]]:
+    """Yield the HF-named, dequantized weights of a GGUF file, cast to ``dtype`` (``lazy``:
+    as :class:`~sglang.srt.model_loader.gguf_loader.GGUFWeight`, dequantized on demand)."""
     from sglang.srt.model_loader.gguf_loader import iterate_gguf_weights
 
-    for name, tensor in iterate_gguf_weights(path, progress):
-        yield name, _cast(tensor, dtype)
+    for name, tensor in iterate_gguf_weights(path, progress, lazy=lazy, dtype=dtype):
+        yield name, tensor if isinstance(tensor, LazyWeight) else _cast(tensor, dtype)
 
 
 def iterate_weights(
-    model_config: ModelConfig, dtype: torch.dtype | None = None, progress: bool = True
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream the checkpoint weights of ``model_config`` as ``(hf_name, cpu tensor)``.
+    model_config: ModelConfig,
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+    lazy: bool = False,
+) -> Iterator[tuple[str, WeightSource]]:
+    """Stream the checkpoint weights of ``model_config`` as ``(hf_name, cpu tensor)``
+    (``lazy``: safetensors and GGUF tensors as LazyWeight objects, see the module docstring).
 
     ``dtype`` defaults to ``model_config.dtype``. Raises ``FileNotFoundError`` (eagerly, before
     the first tensor) when the directory holds no weights of the requested format, and
@@ -152,11 +187,11 @@ def iterate_weights(
     if load_format not in ("auto", "safetensors", "gguf"):
         raise ValueError(f"unknown load_format {load_format!r}")
     if model_config.gguf_file is not None and load_format in ("auto", "gguf"):
-        return iterate_gguf(model_config.gguf_file, dtype, progress)
+        return iterate_gguf(model_config.gguf_file, dtype, progress, lazy)
     model_dir = model_config.model_path
     files = find_safetensors_files(model_dir)
     if files:
-        return iterate_safetensors(files, dtype, progress)
+        return iterate_safetensors(files, dtype, progress, lazy)
     if load_format == "auto":
         files = find_bin_files(model_dir)
         if files:
@@ -205,7 +240,8 @@ def get_model(model_config: ModelConfig, device: str) -> torch.nn.Module:
 
     model_class = get_model_class(model_config.architectures)
     if model_config.load_format != "dummy":
-        weights = iterate_weights(model_config)  # fails fast on missing files, before building
+        # Fails fast on missing files, before building; each rank reads only its shards.
+        weights = iterate_weights(model_config, lazy=True)
     with _default_dtype(model_config.dtype), torch.device(device):
         model = model_class(model_config.hf_config)
     if model_config.load_format == "dummy":

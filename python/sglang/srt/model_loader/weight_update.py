@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed.parallel_state import get_tp_group
+from sglang.srt.layers.linear import LazyWeight, ShardedWeightLoader, get_weight_loader
 from sglang.srt.model_loader.loader import (
     _default_dtype,
     as_weight_loadable,
@@ -97,8 +99,12 @@ def checkpoint_shapes(
     the checkpoint is safetensors. Raises FileNotFoundError when it holds no weights."""
     files = [] if model_config.is_gguf else find_safetensors_files(model_config.model_path)
     if not files or model_config.load_format not in ("auto", "safetensors"):
-        for name, tensor in iterate_weights(model_config, dtype, progress=False):
-            yield name, _meta_like(tensor, dtype)
+        # GGUF tensors come lazily: their shapes without dequantizing anything.
+        for name, tensor in iterate_weights(model_config, dtype, progress=False, lazy=True):
+            if isinstance(tensor, LazyWeight):
+                yield name, torch.empty(tensor.shape, dtype=dtype, device="meta")
+            else:
+                yield name, _meta_like(tensor, dtype)
         return
     from safetensors import safe_open
 
@@ -215,7 +221,9 @@ def load_checkpoint(model: nn.Module, model_config: ModelConfig) -> None:
     """Stream ``model_config``'s checkpoint into ``model`` in place (progress bar on).
     Precondition: :func:`validate_checkpoint` passed for it."""
     with torch.no_grad():
-        as_weight_loadable(model).load_weights(iterate_weights(model_config, model_config.dtype))
+        as_weight_loadable(model).load_weights(
+            iterate_weights(model_config, model_config.dtype, lazy=True)
+        )
     _after_loading(model)
 
 
@@ -244,6 +252,15 @@ def _apply_tensors(
 
 
 def _copy_whole(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    """Copy the FULL parameter ``tensor`` (as get_weights_by_name returns it) into ``param``:
+    a split parameter takes this rank's part through its weight loader."""
+    loader = get_weight_loader(param)
+    if isinstance(loader, ShardedWeightLoader):
+        try:
+            loader(param, tensor, None)
+        except ValueError as e:
+            raise WeightUpdateError(f"{name!r}: {e}") from e
+        return
     if param.shape != tensor.shape:
         raise WeightUpdateError(
             f"shape mismatch for {name!r}: parameter {tuple(param.shape)} vs "
@@ -264,28 +281,57 @@ def get_weights_by_name(model: nn.Module, name: str, truncate_size: int = 100) -
     """The values of weight ``name`` as nested float lists, first dimension cut to
     ``truncate_size`` (SGLang's format). ``name`` is a parameter name or a checkpoint (HF)
     name; an HF name of a fused shard (``q_proj``, ``gate_proj``, ...) returns that shard's rows.
-    Raises WeightUpdateError when no parameter has that name."""
-    weight = _lookup(model, name)
+    With tensor parallelism the FULL weight is returned: the ranks' parts are all-gathered
+    (a collective: every rank must handle the same request, as the schedulers do).
+    Raises WeightUpdateError when no parameter has that name (on every rank alike)."""
+    param, shard_id = _lookup(model, name)
+    weight = full_weight(param, shard_id)
     return weight[: max(truncate_size, 0)].detach().to("cpu", torch.float32).tolist()
 
 
-def _lookup(model: nn.Module, name: str) -> torch.Tensor:
+def full_weight(param: torch.Tensor, shard_id: Hashable | None = None) -> torch.Tensor:
+    """The whole checkpoint tensor behind ``param`` (only shard ``shard_id`` of a fused one):
+    the local tensor with one rank, else the ranks' parts gathered and put in place (a
+    replicated KV head is written by each rank holding it, with the same values)."""
+    loader = get_weight_loader(param)
+    if not isinstance(loader, ShardedWeightLoader):
+        return param
+    if shard_id is not None and shard_id not in loader.shards:
+        raise WeightUpdateError(f"cannot locate shard {shard_id!r}")
+    shard_ids = [shard_id] if shard_id is not None else list(loader.shards)
+    group = get_tp_group()
+    parts = []
+    for sid in shard_ids:
+        shard = loader.shards[sid]
+        local = param.narrow(loader.dim, shard.local_offset, shard.local_size)
+        if group.world_size == 1:
+            parts.append(local)
+            continue
+        gathered = group.all_gather(local.detach(), dim=loader.dim)
+        full_shape = list(param.shape)
+        full_shape[loader.dim] = shard.full_size
+        full = gathered.new_empty(full_shape)
+        for rank in range(group.world_size):
+            num_valid = shard.valid_size(rank)
+            if num_valid:
+                piece = gathered.narrow(loader.dim, rank * shard.local_size, num_valid)
+                full.narrow(loader.dim, shard.starts[rank], num_valid).copy_(piece)
+        parts.append(full)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=loader.dim)
+
+
+def _lookup(model: nn.Module, name: str) -> tuple[torch.Tensor, Hashable | None]:
     params = dict(model.named_parameters(remove_duplicate=False))
     if name in params:
-        return params[name]
+        return params[name], None
     # Llama-family models expose their checkpoint-name mapping (HF name -> fused param, shard).
     mapper = getattr(model, "_map_weight_name", None)
     param_name, shard_id = mapper(name) if mapper is not None else (name, None)
     param = params.get(param_name)
     if param is None:
         raise WeightUpdateError(f"no weight named {name!r}")
-    if shard_id is None:
-        return param
-    return param.narrow(0, *_shard_rows(param, shard_id, name))
-
-
-def _shard_rows(param: torch.Tensor, shard_id: Hashable, name: str) -> tuple[int, int]:
-    shards = getattr(getattr(param, "weight_loader", None), "shards", None)
-    if not shards or shard_id not in shards:
-        raise WeightUpdateError(f"cannot locate shard {shard_id!r} of {name!r}")
-    return shards[shard_id]
+    if shard_id is not None:
+        loader = get_weight_loader(param)
+        if not isinstance(loader, ShardedWeightLoader) or shard_id not in loader.shards:
+            raise WeightUpdateError(f"cannot locate shard {shard_id!r} of {name!r}")
+    return param, shard_id

@@ -9,6 +9,11 @@ One decoder layer::
 
 Sliding-window attention (old Mistral, some Qwen2 configs) is not implemented: attention is
 full, which is exact for sequences shorter than the window.
+
+Tensor parallelism (docs/distributed.md): qkv_proj and gate_up_proj are column-parallel (each
+rank has ``num_heads / tp`` query heads, ``max(1, num_kv_heads / tp)`` KV heads and
+``intermediate_size / tp`` MLP columns), o_proj and down_proj row-parallel (one all-reduce
+each), the embedding and LM head vocabulary-parallel. The checkpoint names are unchanged.
 """
 
 from __future__ import annotations
@@ -21,18 +26,21 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_world_size
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
-    MergedLinear,
-    QKVLinear,
-    ReplicatedLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    WeightSource,
     get_weight_loader,
+    kv_heads_per_rank,
 )
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_params_from_config
-from sglang.srt.layers.vocab_embedding import ParallelLMHead, VocabEmbedding
+from sglang.srt.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -51,6 +59,29 @@ def get_head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def check_tensor_parallel_fit(config: PretrainedConfig, tp_size: int) -> None:
+    """Raise ValueError naming the numbers when the model cannot be split over ``tp_size``
+    ranks: query heads and MLP width must divide evenly, and the KV heads must either divide
+    evenly or (fewer KV heads than ranks) be replicated evenly (tp a multiple of them)."""
+    num_heads = config.num_attention_heads
+    problems = []
+    if num_heads % tp_size:
+        problems.append(
+            f"num_attention_heads ({num_heads}) is not divisible by --tp-size ({tp_size})"
+        )
+    if config.intermediate_size % tp_size:
+        problems.append(
+            f"intermediate_size ({config.intermediate_size}) is not divisible by "
+            f"--tp-size ({tp_size})"
+        )
+    try:
+        kv_heads_per_rank(getattr(config, "num_key_value_heads", None) or num_heads, tp_size)
+    except ValueError as e:
+        problems.append(str(e))
+    if problems:
+        raise ValueError(f"cannot split the model over {tp_size} ranks: {'; '.join(problems)}")
+
+
 class LlamaAttention(nn.Module):
     """Fused qkv projection, optional q/k norm, RoPE, paged attention, output projection."""
 
@@ -58,15 +89,20 @@ class LlamaAttention(nn.Module):
         self, config: PretrainedConfig, layer_id: int, arch: LlamaArch, rotary_emb: RotaryEmbedding
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_num_heads = config.num_attention_heads
+        total_num_kv_heads = getattr(config, "num_key_value_heads", None) or total_num_heads
         self.head_dim = get_head_dim(config)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, total_num_heads, total_num_kv_heads, arch.qkv_bias
+        )
+        # This rank's heads (all of them with one rank).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, arch.qkv_bias
+        self.o_proj = RowParallelLinear(
+            total_num_heads * self.head_dim, config.hidden_size, arch.o_bias
         )
-        self.o_proj = ReplicatedLinear(self.q_size, config.hidden_size, arch.o_bias)
         self.qk_norm = arch.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -99,8 +135,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: PretrainedConfig, arch: LlamaArch) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], arch.mlp_bias)
-        self.down_proj = ReplicatedLinear(size, config.hidden_size, arch.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], arch.mlp_bias
+        )
+        self.down_proj = RowParallelLinear(size, config.hidden_size, arch.mlp_bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,7 +186,7 @@ class LlamaModel(nn.Module):
             rope_scaling,
             partial_rotary_factor,
         )
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, arch, rotary_emb) for i in range(config.num_hidden_layers)
         )
@@ -193,6 +231,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
+        check_tensor_parallel_fit(config, get_tensor_model_parallel_world_size())
         self.config = config
         self.model = LlamaModel(config, self.arch_from_config(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -221,9 +260,10 @@ class LlamaForCausalLM(nn.Module):
         return shards or {None}
 
     def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True
+        self, weights: Iterable[tuple[str, WeightSource]], *, strict: bool = True
     ) -> None:
-        """Copy HF-named checkpoint tensors into the parameters (in place).
+        """Copy HF-named checkpoint tensors into the parameters (in place). Each tensor is the
+        full checkpoint tensor (or a LazyWeight for it); the weight loaders take this rank's part.
 
         Raises ValueError for a name that maps to no parameter and, when ``strict``, for a
         parameter (or fused shard) that no tensor filled. ``strict=False`` allows partial

@@ -267,6 +267,11 @@ def test_pause_storm_every_request_ends_once_no_leak_on_any_rank(engine: sgl.Eng
     _storm(engine, num=12, seconds=3.0)
 
 
+def _lm_head(engine: sgl.Engine) -> torch.Tensor:
+    """The whole LM head, gathered from the ranks' vocabulary shards."""
+    return torch.tensor(engine.get_weights_by_name("lm_head.weight", truncate_size=10_000))
+
+
 def _same_prompt_ids(engine: sgl.Engine, n: int = 12) -> list[int]:
     return engine.generate(input_ids=PROMPTS[1], sampling_params=_greedy(n))["output_ids"]
 
@@ -280,6 +285,13 @@ def test_weight_updates_apply_on_every_rank(
     ok, message, _ = engine.update_weights_from_disk(other, weight_version="v2")
     assert ok, message
     assert [r["weight_version"] for r in _rank_states(engine)] == ["v2"] * TP
+    # Every rank's shard holds the new checkpoint (the gathered weight is the file's).
+    from safetensors.torch import load_file
+
+    [file] = [f for f in os.listdir(other) if f.endswith(".safetensors")]
+    down = load_file(os.path.join(other, file))["model.layers.0.mlp.down_proj.weight"]
+    gathered = engine.get_weights_by_name("model.layers.0.mlp.down_proj.weight", 10_000)
+    assert torch.equal(torch.tensor(gathered), down)
     assert _same_prompt_ids(engine) != before["output_ids"]
     ok, message, _ = engine.update_weights_from_disk(model_path, weight_version="v3")
     assert ok, message
@@ -304,6 +316,7 @@ def test_weight_updates_apply_on_every_rank(
                                                     weight_version="neg")
     assert ok, message
     assert [r["weight_version"] for r in _rank_states(engine)] == ["neg"] * TP
+    assert torch.equal(_lm_head(engine), -head)  # every rank's vocabulary rows
     assert _same_prompt_ids(engine) != before["output_ids"]
     assert engine.update_weights_from_tensor([("lm_head.weight", head)])[0]
     assert _same_prompt_ids(engine) == before["output_ids"]
@@ -342,6 +355,7 @@ def test_update_weights_from_distributed_reaches_every_rank(engine: sgl.Engine) 
     success, message = asyncio.run(update())
     assert success, message
     assert [r["weight_version"] for r in _rank_states(engine)] == ["broadcast"] * TP
+    assert torch.equal(_lm_head(engine), -head)  # every rank's vocabulary rows
     assert _same_prompt_ids(engine) != before
     assert asyncio.run(tm.destroy_weights_update_group(
         DestroyWeightsUpdateGroupReqInput("tp"), None))[0]

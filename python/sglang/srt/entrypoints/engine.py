@@ -227,6 +227,8 @@ def run_follower_node(server_args: ServerArgs) -> int:
     port_args = PortArgs.init_new()  # unused: ranks other than TP rank 0 open no socket
     procs: list[BaseProcess] = []
     readers: dict[Connection, tuple[BaseProcess, str]] = {}
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # a stop: clean up, exit 0
     try:
         procs, readers = _start_children(server_args, port_args)
         _wait_for_ready(readers)
@@ -248,12 +250,17 @@ def run_follower_node(server_args: ServerArgs) -> int:
         logger.error("Node %d failed to start: %s", server_args.node_rank, e)
         return 1
     except KeyboardInterrupt:
-        return 130
+        logger.info("Node %d: stopping its ranks", server_args.node_rank)
+        return 0
     finally:
         _kill_processes(procs)
         for reader in readers:
             reader.close()
         remove_ipc_dir(port_args)
+
+
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _wait_for_ready(

@@ -322,6 +322,31 @@ def test_weight_updates_apply_on_every_rank(
     assert _same_prompt_ids(engine) == before["output_ids"]
 
 
+def test_serialized_tensors_one_entry_per_rank(engine: sgl.Engine) -> None:
+    """Upstream's ``serialized_named_tensors``: entry r goes to TP rank r, undecoded. Rank 0
+    gets the negated head, rank 1 the head as it is: only rank 0's vocabulary rows change."""
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    head = _lm_head(engine)
+    payloads = [MultiprocessingSerializer.serialize([("lm_head.weight", t)], output_str=True)
+                for t in (-head, head)]
+    tm = engine.tokenizer_manager
+    assert tm is not None
+    obj = UpdateWeightsFromTensorReqInput([], None, True, False, "per-rank",
+                                          serialized_named_tensors=payloads)
+    out = engine._run(tm.update_weights_from_tensor(obj))
+    assert out.success, out.message
+    half = head.shape[0] // TP
+    got = _lm_head(engine)
+    assert torch.equal(got[:half], -head[:half]) and torch.equal(got[half:], head[half:])
+    short = UpdateWeightsFromTensorReqInput([], None, True, False, None,
+                                            serialized_named_tensors=payloads[:1])
+    assert not engine._run(tm.update_weights_from_tensor(short)).success
+    assert engine.update_weights_from_tensor([("lm_head.weight", head)])[0]
+    assert torch.equal(_lm_head(engine), head)
+
+
 def test_update_weights_from_distributed_reaches_every_rank(engine: sgl.Engine) -> None:
     """The frontend joins the trainer's group once, receives the broadcast, and forwards the
     tensors to rank 0, which hands them to every rank with the turn's inputs."""

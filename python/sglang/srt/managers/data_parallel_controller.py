@@ -254,9 +254,10 @@ def configure_dp_rank(server_args: ServerArgs, dp_rank: int, tp_rank: int = 0) -
     * CPU: 1/N of the torch threads (at least one), and 1/N of the memory that a single
       scheduler would take for its KV cache (unless --max-total-tokens fixes the size), so N
       ranks neither oversubscribe the cores nor the RAM;
-    * CUDA: GPU ``local`` (of the visible ones). With fewer GPUs than ranks, ranks share
-      them (local % GPUs); each rank then needs --max-total-tokens, since sizing the KV cache
-      from free memory would race with the other ranks on that GPU.
+    * CUDA: GPU ``local`` (of the visible ones). With fewer GPUs than ranks, ranks of
+      different DP replicas share them (local % GPUs; the TP ranks of one replica always get
+      distinct GPUs, which NCCL needs); each rank then needs --max-total-tokens, since sizing
+      the KV cache from free memory would race with the other ranks on that GPU.
     """
     import torch
 
@@ -267,6 +268,11 @@ def configure_dp_rank(server_args: ServerArgs, dp_rank: int, tp_rank: int = 0) -
         num_gpus = torch.cuda.device_count()
         if num_gpus == 0:
             raise RuntimeError("no CUDA device visible")
+        if num_gpus < tp_per_node:
+            raise RuntimeError(
+                f"{tp_per_node} tensor-parallel ranks on this node need as many GPUs (NCCL "
+                f"runs one rank of a group per GPU); {num_gpus} visible"
+            )
         if num_gpus < num_local and server_args.max_total_tokens is None:
             raise RuntimeError(
                 f"{num_local} scheduler ranks on this node with {num_gpus} GPU(s): ranks "

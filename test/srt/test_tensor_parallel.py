@@ -263,6 +263,23 @@ def test_wait_pause_drains_then_answers(engine: sgl.Engine) -> None:
     engine.continue_generation()
 
 
+def test_wait_pause_drain_timeout_retracts_on_every_rank(engine: sgl.Engine) -> None:
+    """The drain's deadline is rank 0's verdict: both ranks retract the straggler together."""
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(engine.generate, input_ids=PROMPTS[2], sampling_params=_greedy(),
+                          return_logprob=True)
+        wait_for(lambda: _rank_states(engine)[0]["running_batch_size"] == 1)
+        reply = engine.pause_generation(mode="wait", timeout_s=0.3)
+        assert reply["status"] == "ok" and reply["num_retracted"] == 1
+        ranks = _rank_states(engine)
+        assert all(r["engine_paused"] and r["waiting_queue_size"] == 1 for r in ranks)
+        assert all(r["private_kv_tokens"] == 0 for r in ranks)
+        engine.continue_generation()
+        out = fut.result(timeout=120)
+        check_complete(out, MAX_NEW)
+        assert out["meta_info"]["total_retractions"] == 1
+
+
 def test_pause_storm_every_request_ends_once_no_leak_on_any_rank(engine: sgl.Engine) -> None:
     _storm(engine, num=12, seconds=3.0)
 

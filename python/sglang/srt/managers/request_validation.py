@@ -146,6 +146,7 @@ def validate_request(
         or (limits.entropy_with_logprobs and bool(obj.return_logprob)),
         entropy_mode=entropy_mode,
         entropy_top_k=entropy_top_k,
+        lora_path=_one(obj.lora_path, "lora_path", (str, type(None))),
     )
 
 

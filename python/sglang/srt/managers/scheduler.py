@@ -22,6 +22,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.lora.adapter import LoRAError
+from sglang.srt.lora.scheduling import admissible, unpaused
 from sglang.srt.managers.control_hooks import SchedulerHooks
 from sglang.srt.managers.io_struct import (
     AbortReq,
@@ -34,12 +36,15 @@ from sglang.srt.managers.io_struct import (
     GetInternalStateReq,
     GetInternalStateReqOutput,
     GetWeightsByNameReqInput,
+    LoadLoRAAdapterReqInput,
+    LoRAUpdateOutput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     PauseStateOutput,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromTensorReqInput,
     UpdateWeightVersionReqInput,
@@ -118,9 +123,19 @@ class Scheduler:
         self.debug_checks = server_args.log_level == "debug"
         self._was_busy = False
 
+        # LoRA (docs/lora.md): the worker's adapter registry, and the adapters paused by name
+        # (-> their pause mode); their requests are neither admitted nor decoded.
+        self.lora = getattr(worker, "lora_manager", None)
+        self.lora_paused: dict[str, str] = {}
+        if self.lora is not None:
+            kv.lora_uid = self.lora.uid
         weight_state = kv.weights
         self.output = OutputProcessor(
-            weight_state, tokenizer, send_output, server_args.stream_interval
+            weight_state,
+            tokenizer,
+            send_output,
+            server_args.stream_interval,
+            version_of=self._lora_version,
         )
         hooks = SchedulerHooks(
             abort_all=lambda message: self.abort_matching(lambda rid: True, message),
@@ -154,6 +169,8 @@ class Scheduler:
                 (UpdateWeightVersionReqInput, self.weights.update_weight_version),
                 (ReleaseMemoryOccupationReqInput, self.memory.release),
                 (ResumeMemoryOccupationReqInput, self.memory.resume),
+                (LoadLoRAAdapterReqInput, self.handle_load_lora),
+                (UnloadLoRAAdapterReqInput, self.handle_unload_lora),
             ]
         )
 
@@ -197,7 +214,12 @@ class Scheduler:
             return True
         if not self.pause.allows_forward() or self.memory.blocks_forward():
             return False
-        return bool(self.waiting_queue or self.chunked_req or not self.running_batch.is_empty())
+        paused = set(self.lora_paused)
+        return bool(
+            unpaused(self.waiting_queue, paused)
+            or self.chunked_req
+            or unpaused(self.running_batch.reqs, paused)
+        )
 
     def reply(self, msg: Any) -> None:
         if msg is not None:
@@ -236,6 +258,11 @@ class Scheduler:
         if self.chunked_req is None and (not waiting or num_running >= self.max_running_requests):
             return None
         sort_waiting_queue(self.waiting_queue, self.server_args.schedule_policy, self.kv)
+        if waiting and (self.lora is not None or self.lora_paused):
+            holders = self.kv_holders()
+            waiting = admissible(
+                waiting, holders, set(self.lora_paused), self.server_args.max_loras_per_batch
+            )
         chunk = self.server_args.chunked_prefill_size
         adder = PrefillAdder(
             kv=self.kv,
@@ -270,7 +297,9 @@ class Scheduler:
 
     def update_running_batch(self) -> ScheduleBatch | None:
         """Prepare a decode step, retracting requests when the KV pool cannot hold it."""
-        batch = self.running_batch
+        batch = self._decode_batch()
+        if batch.is_empty():
+            return None
         needed = batch.decode_tokens_needed()
         if not self.kv.ensure_free(needed) and self.chunked_req is not None:
             # A chunked prefill holds KV that running requests need: it yields first.
@@ -281,6 +310,9 @@ class Scheduler:
             retracted = batch.select_retractions(needed, self.retract)
             logger.warning("KV cache full: retracted %d request(s)", len(retracted))
             self.waiting_queue = retracted + self.waiting_queue
+            if batch is not self.running_batch:
+                gone = {id(r) for r in retracted}
+                self.running_batch.filter([r for r in self.running_batch.reqs if id(r) not in gone])
             self.new_token_ratio = min(1.0, self.new_token_ratio + _RETRACT_RATIO_BUMP)
         batch.forward_batch = batch.prepare_for_decode()
         if batch.forward_batch is None:
@@ -294,6 +326,12 @@ class Scheduler:
             - (self.init_new_token_ratio - self.min_new_token_ratio) / _NEW_TOKEN_RATIO_DECAY_STEPS,
         )
         return batch
+
+    def _decode_batch(self) -> ScheduleBatch:
+        """The running batch, or (while an adapter is paused in place) a batch of its other
+        requests: the paused ones keep their place and KV but decode nothing."""
+        reqs = unpaused(self.running_batch.reqs, set(self.lora_paused))
+        return self.running_batch if reqs is self.running_batch.reqs else self._new_batch(reqs)
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.kv, self.model_config.vocab_size, self.server_args.device)
@@ -358,9 +396,11 @@ class Scheduler:
             req.status = ReqStatus.PAUSED
 
     def unpause(self) -> None:
-        """PAUSED -> RUNNING (PREFILLING for the chunked request)."""
+        """PAUSED -> RUNNING (PREFILLING for the chunked request); requests of an adapter
+        paused by name stay PAUSED."""
         for req in self.running_batch.reqs:
-            req.status = ReqStatus.RUNNING
+            paused = req.lora_name in self.lora_paused
+            req.status = ReqStatus.PAUSED if paused else ReqStatus.RUNNING
         if self.chunked_req is not None:
             self.chunked_req.status = ReqStatus.PREFILLING
 
@@ -405,6 +445,9 @@ class Scheduler:
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
         req = make_req(recv, self.model_config, self.server_args.random_seed)
         reason = refusal(req, self.max_req_input_len, self.max_total_num_tokens)
+        name = req.lora_name
+        if name is not None and (self.lora is None or name not in self.lora.loaded):
+            reason = f"LoRA adapter {name!r} is not loaded"
         if reason is not None:
             self.finish([req], {"type": "abort", "message": reason})
             return
@@ -412,6 +455,10 @@ class Scheduler:
 
     def handle_abort(self, recv: AbortReq) -> AbortReqOutput:
         """Abort by exact rid, rid prefix (when asked) or all; each gets its final output now."""
+        if recv.lora_name is not None:
+            name = recv.lora_name
+            num = self.abort_where(lambda r: r.lora_name == name, recv.aborted_message or "")
+            return AbortReqOutput(req_id=recv.req_id, num_aborted=num)
         if recv.abort_all:
             matches: Callable[[str], bool] = lambda rid: True
         elif recv.match_prefix:
@@ -423,9 +470,13 @@ class Scheduler:
 
     def abort_matching(self, matches: Callable[[str], bool], message: str) -> int:
         """Finish every matching request (waiting, chunked or running) with type "abort"."""
+        return self.abort_where(lambda r: matches(r.rid), message)
+
+    def abort_where(self, pred: Callable[[Req], bool], message: str) -> int:
+        """Finish every request (waiting, chunked or running) ``pred`` selects, as aborted."""
         everyone = self.waiting_queue + self.kv_holders()
-        aborted = [r for r in everyone if matches(r.rid)]
-        self.finish(aborted, {"type": "abort", "message": message})
+        aborted = [r for r in everyone if pred(r)]
+        self.finish(aborted, {"type": "abort", "message": message or "Request aborted"})
         return len(aborted)
 
     def handle_flush_cache(self, recv: FlushCacheReqInput) -> FlushCacheReqOutput:
@@ -456,6 +507,8 @@ class Scheduler:
     # ---- pause / continue (the PauseState machine) ------------------------------------------
     def handle_pause(self, recv: PauseGenerationReqInput) -> PauseGenerationReqOutput | None:
         """Pause per DESIGN §5. A ``wait`` pause is answered later, once drained."""
+        if recv.lora_name is not None:
+            return self.pause_lora(recv)
         try:
             mode, flush = resolve_pause_mode(recv.mode, recv.clear_cache)
             if recv.timeout_s is not None and not recv.timeout_s > 0:
@@ -510,6 +563,8 @@ class Scheduler:
         self.reply(PauseStateOutput(paused=False))
 
     def handle_continue(self, recv: ContinueGenerationReqInput) -> ContinueGenerationReqOutput:
+        if recv.lora_name is not None:
+            return self.continue_lora(recv)
         was_paused = self.pause.paused
         if self.pause.pending is not None:
             self.reply(self.end_drain(retract=False))
@@ -547,4 +602,119 @@ class Scheduler:
             "weight_version": self.weights.version,
             "memory_released_tags": sorted(self.memory.released),
             "max_running_requests": self.max_running_requests,
+            "lora_adapters": [] if self.lora is None else self.lora.describe(),
+            "paused_loras": dict(self.lora_paused),
         }
+
+    # ---- LoRA adapters: load / unload, pause and continue by adapter (docs/lora.md) ---------
+    def _lora_version(self, req: Req) -> str | None:
+        if req.lora_name is None or self.lora is None or req.lora_name not in self.lora.loaded:
+            return None
+        return str(self.lora.version(req.lora_name))
+
+    def _lora_reqs(self, name: str) -> tuple[list[Req], list[Req]]:
+        """(KV holders, waiting requests) of adapter ``name``."""
+        holders = [r for r in self.kv_holders() if r.lora_name == name]
+        return holders, [r for r in self.waiting_queue if r.lora_name == name]
+
+    def _lora_reply(self, req_id: str, error: str = "") -> LoRAUpdateOutput:
+        loaded = {} if self.lora is None else {
+            d["lora_name"]: d["lora_path"] for d in self.lora.describe()
+        }
+        return LoRAUpdateOutput(not error, error, loaded, req_id)
+
+    def handle_load_lora(self, recv: LoadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        """Load an adapter, or reload one over its name (an adapter weight update): refused
+        while requests of it hold KV, unless it is paused by name."""
+        if self.lora is None:
+            return self._lora_reply(recv.req_id, "LoRA is not enabled (start with --enable-lora)")
+        name = recv.lora_name
+        holders, _ = self._lora_reqs(name)
+        if name in self.lora.loaded and holders and name not in self.lora_paused:
+            return self._lora_reply(
+                recv.req_id,
+                f"LoRA adapter {name!r} is loaded and {len(holders)} of its requests are "
+                "running; pause it first (pause_generation with lora_name) to update it",
+            )
+        try:
+            self.lora.load(name, recv.lora_path, recv.weight_version)
+        except LoRAError as e:
+            return self._lora_reply(recv.req_id, str(e))
+        return self._lora_reply(recv.req_id)
+
+    def handle_unload_lora(self, recv: UnloadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        """Unload an adapter; refused while any request of it is running or waiting."""
+        if self.lora is None:
+            return self._lora_reply(recv.req_id, "LoRA is not enabled (start with --enable-lora)")
+        name = recv.lora_name
+        if name not in self.lora.loaded:
+            return self._lora_reply(recv.req_id, f"LoRA adapter {name!r} is not loaded")
+        holders, waiting = self._lora_reqs(name)
+        if holders or waiting:
+            return self._lora_reply(
+                recv.req_id,
+                f"LoRA adapter {name!r} has {len(holders) + len(waiting)} request(s) running "
+                "or waiting; abort them (abort_request with lora_name) or let them finish",
+            )
+        self.lora.unload(name)
+        self.lora_paused.pop(name, None)
+        return self._lora_reply(recv.req_id)
+
+    def pause_lora(self, recv: PauseGenerationReqInput) -> PauseGenerationReqOutput:
+        """Pause one adapter's requests; every other adapter and the base model run on.
+        abort: its requests end; retract: they go back to the waiting queue without KV;
+        in_place: they keep their place and KV (a chunked prefill of it is retracted)."""
+        name = recv.lora_name
+        assert name is not None
+        try:
+            if self.lora is None or name not in self.lora.loaded:
+                raise PauseModeError(f"LoRA adapter {name!r} is not loaded")
+            mode, _ = resolve_pause_mode(recv.mode, recv.clear_cache)
+            if mode == "wait" or recv.timeout_s is not None:
+                raise PauseModeError("mode 'wait' and timeout_s are not supported with lora_name")
+        except PauseModeError as e:
+            return PauseGenerationReqOutput(success=False, message=str(e), req_id=recv.req_id)
+        self.lora_paused[name] = mode
+        num_aborted = num_retracted = 0
+        if mode == "abort":
+            num_aborted = self.abort_where(
+                lambda r: r.lora_name == name, "Aborted by pause_generation"
+            )
+        else:
+            mine = [r for r in self.running_batch.reqs if r.lora_name == name]
+            chunked = self.chunked_req
+            if chunked is not None and chunked.lora_name == name:
+                self.chunked_req = None
+                self.retract(chunked)
+                self.waiting_queue.insert(0, chunked)
+                num_retracted += 1
+            if mode == "retract":
+                self.running_batch.filter([r for r in self.running_batch.reqs if r not in mine])
+                for req in mine:
+                    self.retract(req)
+                self.waiting_queue = mine + self.waiting_queue
+                num_retracted += len(mine)
+            for req in self.running_batch.reqs:
+                if req.lora_name == name:
+                    req.status = ReqStatus.PAUSED
+        holders, waiting = self._lora_reqs(name)
+        return PauseGenerationReqOutput(
+            success=True,
+            message="Generation paused successfully.",
+            mode=mode,
+            num_running=len(holders),
+            num_retracted=num_retracted,
+            num_aborted=num_aborted,
+            num_waiting=len(waiting),
+            req_id=recv.req_id,
+        )
+
+    def continue_lora(self, recv: ContinueGenerationReqInput) -> ContinueGenerationReqOutput:
+        """Resume an adapter paused by name (its in-place requests decode again)."""
+        name = recv.lora_name
+        was_paused = self.lora_paused.pop(name or "", None) is not None
+        if not self.pause.paused:
+            for req in self.running_batch.reqs:
+                if req.lora_name == name:
+                    req.status = ReqStatus.RUNNING
+        return ContinueGenerationReqOutput(success=True, was_paused=was_paused, req_id=recv.req_id)

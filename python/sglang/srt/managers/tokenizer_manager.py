@@ -43,6 +43,8 @@ from sglang.srt.managers.io_struct import (
     GetWeightsByNameReqInput,
     GetWeightsByNameReqOutput,
     InitWeightsUpdateGroupReqInput,
+    LoadLoRAAdapterReqInput,
+    LoRAUpdateOutput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     PauseStateOutput,
@@ -52,6 +54,7 @@ from sglang.srt.managers.io_struct import (
     ResumeMemoryOccupationReqOutput,
     SchedulerErrorOutput,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
     UpdateWeightsFromDistributedReqInput,
@@ -126,6 +129,9 @@ class TokenizerManager:
         self.vocab_size: int = scheduler_info["vocab_size"]
         self.max_req_input_len: int = scheduler_info["max_req_input_len"]
         self.limits = RequestLimits.from_server_args(server_args, scheduler_info)
+        # Loaded LoRA adapters (name -> path), mirrored from the scheduler's load replies:
+        # a request naming another adapter is refused here (docs/lora.md).
+        self.lora_adapters: dict[str, str] = server_args.lora_path_dict()
         self.tokenizer = (
             None
             if server_args.skip_tokenizer_init
@@ -161,6 +167,7 @@ class TokenizerManager:
                 (UpdateWeightVersionReqOutput, self._handle_control_output),
                 (ReleaseMemoryOccupationReqOutput, self._handle_control_output),
                 (ResumeMemoryOccupationReqOutput, self._handle_control_output),
+                (LoRAUpdateOutput, self._handle_control_output),
                 (PauseStateOutput, self._handle_pause_state),
                 (SchedulerErrorOutput, self._handle_scheduler_error),
             ]
@@ -267,6 +274,7 @@ class TokenizerManager:
         parents: list[str | None] = []
         for single, input_ids in zip(singles, all_ids):
             req = validate_request(single, list(input_ids), self.limits)
+            self._check_lora(req.lora_path)
             n = req.sampling_params.n
             if n == 1:
                 reqs.append(req)
@@ -392,6 +400,39 @@ class TokenizerManager:
             self._abort_targets[req.req_id] = target_states
             reqs.append(req)
         return reqs
+
+    # ---- LoRA adapters (docs/lora.md) --------------------------------------------------------
+    def _check_lora(self, name: str | None) -> None:
+        if name is None:
+            return
+        if not self.server_args.enable_lora:
+            raise ValueError(f"lora_path {name!r}: LoRA is not enabled (start with --enable-lora)")
+        if name not in self.lora_adapters:
+            known = ", ".join(sorted(self.lora_adapters)) or "none"
+            raise ValueError(f"LoRA adapter {name!r} is not loaded (loaded: {known})")
+
+    async def load_lora_adapter(
+        self, obj: LoadLoRAAdapterReqInput, request: fastapi.Request | None = None
+    ) -> LoRAUpdateOutput:
+        """Load (or, over a paused adapter's name, update) an adapter; a refusal changes
+        nothing and comes back as ``success=False``."""
+        out: LoRAUpdateOutput = await self._control(obj)
+        if out.success:
+            self.lora_adapters = dict(out.loaded_adapters)
+        return out
+
+    async def unload_lora_adapter(
+        self, obj: UnloadLoRAAdapterReqInput, request: fastapi.Request | None = None
+    ) -> LoRAUpdateOutput:
+        out: LoRAUpdateOutput = await self._control(obj)
+        if out.success:
+            self.lora_adapters = dict(out.loaded_adapters)
+        return out
+
+    async def abort_lora_requests(self, lora_name: str) -> int:
+        """Abort every request of adapter ``lora_name``; returns how many ended."""
+        out = await self._control(AbortReq(lora_name=lora_name))
+        return int(out.num_aborted)
 
     async def pause_generation(self, obj: PauseGenerationReqInput) -> PauseGenerationReqOutput:
         """Pause the scheduler (DESIGN §5); returns once the pause took effect.

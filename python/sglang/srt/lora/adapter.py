@@ -124,6 +124,8 @@ def load_adapter(name: str, path: str, max_rank: int, allowed: tuple[str, ...]) 
             f"adapter {name!r} has rank {rank} > --max-lora-rank {max_rank}; restart with a "
             "larger --max-lora-rank"
         )
+    if not isinstance(alpha, (int, float)):
+        raise LoRAError(f"{path!r}: adapter_config.json has a non-numeric 'lora_alpha'")
     scaling = float(alpha) / (math.sqrt(rank) if config.get("use_rslora") else rank)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in _read_tensors(root).items():

@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,11 +43,16 @@ class LoRABatchInfo:
     groups: list[tuple[int, torch.Tensor | None]]
 
 
+def _int_attr(module: nn.Module, name: str) -> int:
+    value: Any = vars(module)[name]  # a plain int attribute, not a parameter or submodule
+    return int(value)
+
+
 def _shard_sizes(module: nn.Module, kind: str, out_features: int) -> list[int]:
     """Output rows of each shard of a fused layer, read from the layer's attributes (not its
     class: the layer classes are free to change)."""
     if kind == "qkv_proj":
-        q, kv = int(module.q_size), int(module.kv_size)
+        q, kv = _int_attr(module, "q_size"), _int_attr(module, "kv_size")
         return [q, kv, kv]
     if kind == "gate_up_proj":
         sizes = getattr(module, "output_sizes", None)
@@ -67,6 +73,7 @@ class LoRATarget:
         get_batch: Callable[[], LoRABatchInfo | None],
     ) -> None:
         weight = module.weight
+        assert isinstance(weight, torch.Tensor), f"{kind} of layer {layer} has no weight tensor"
         self.layer, self.kind = layer, kind
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         sizes = _shard_sizes(module, kind, self.out_features)

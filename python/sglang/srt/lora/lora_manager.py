@@ -164,7 +164,7 @@ class LoRAManager:
         req_slots = torch.tensor([-1 if n is None else slot_of[n] for n in names])
         token_slots = torch.repeat_interleave(req_slots, torch.tensor(lens))
         device = forward_batch.input_ids.device
-        groups = []
+        groups: list[tuple[int, torch.Tensor | None]] = []
         for slot in sorted(set(slot_of.values())):
             rows = torch.nonzero(token_slots == slot).squeeze(1).to(device)
             groups.append((slot, rows))

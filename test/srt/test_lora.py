@@ -335,3 +335,59 @@ def test_lora_paths_forms(tmp_path: Path, tiny_model_dir: Callable[..., Path]) -
 
 
 
+
+
+# ---- HTTP -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(lora_dirs: dict[str, Path]) -> Iterator[Any]:
+    from server_test_utils import ServerProcess
+
+    with ServerProcess(
+        lora_dirs["base"], "--skip-server-warmup", "--lora-paths", f"a={lora_dirs['a']}",
+        "--max-loras-per-batch", "2", "--max-lora-rank", "8", "--max-total-tokens", "4096",
+    ) as s:
+        yield s
+
+
+def test_http_api(server: Any, lora_dirs: dict[str, Path], reference: Callable) -> None:
+    from engine_test_utils import post
+
+    body = {"input_ids": PROMPTS[0], "sampling_params": GREEDY, "lora_path": "a"}
+    r = post(server, "/generate", body)
+    assert r.status_code == 200 and r.json()["output_ids"] == reference("a", PROMPTS[0])[0]
+    r = post(server, "/generate", {**body, "lora_path": "b"})
+    assert r.status_code == 400 and "'b' is not loaded" in r.json()["error"]["message"]
+    r = post(server, "/load_lora_adapter", {"lora_name": "b", "lora_path": str(lora_dirs["b"])})
+    assert r.status_code == 200, r.text
+    assert r.json()["success"] and set(r.json()["loaded_adapters"]) == {"a", "b"}
+    r = post(server, "/load_lora_adapter", {"lora_name": "x", "lora_path": "/nonexistent"})
+    assert r.status_code == 400 and not r.json()["success"]
+    assert "not a PEFT LoRA checkpoint" in r.json()["error"]["message"]
+    batch = {"input_ids": PROMPTS[:3], "sampling_params": GREEDY, "lora_path": ["a", "b", None]}
+    r = post(server, "/generate", batch)
+    assert [o["output_ids"] for o in r.json()] == [
+        reference(n, p)[0] for n, p in zip(["a", "b", None], PROMPTS)
+    ]
+    r = post(server, "/v1/completions", {"model": "tiny:b", "prompt": PROMPTS[1],
+                                          "max_tokens": MAX_NEW, "temperature": 0})
+    assert r.status_code == 200, r.text
+    want = reference("b", PROMPTS[1])[0]
+    assert r.json()["choices"][0]["text"] == server_tokenizer(lora_dirs).decode(want)
+    r = post(server, "/pause_generation", {"mode": "retract", "lora_name": "b"})
+    assert r.status_code == 200 and r.json()["mode"] == "retract"
+    r = post(server, "/generate", {**body, "lora_path": "a"})  # a is not paused
+    assert r.json()["output_ids"] == reference("a", PROMPTS[0])[0]
+    r = post(server, "/continue_generation", {"lora_name": "b"})
+    assert r.status_code == 200 and r.json()["was_paused"]
+    r = post(server, "/abort_request", {"lora_name": "b"})
+    assert r.status_code == 200 and r.json()["num_aborted"] == 0
+    r = post(server, "/unload_lora_adapter", {"lora_name": "b"})
+    assert r.status_code == 200 and set(r.json()["loaded_adapters"]) == {"a"}
+    r = post(server, "/unload_lora_adapter", {"lora_name": "b"})
+    assert r.status_code == 400 and "not loaded" in r.json()["error_message"]
+
+
+def server_tokenizer(lora_dirs: dict[str, Path]) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(lora_dirs["base"])

@@ -360,8 +360,10 @@ class Engine:
 
         Stream items carry the cumulative text and ids (a batch's items also an "index").
         Leaving a stream early aborts its request(s). Upstream SGLang's other arguments
-        (``image_data``, ``lora_path``, ``token_ids_logprob``, ...) are accepted when unset
+        (``image_data``, ``token_ids_logprob``, ...) are accepted when unset
         (None / False) and refused with ValueError when set: this engine lacks those features.
+        ``lora_path``: the LoRA adapter name (one per prompt for a batch; None: the base
+        model; docs/lora.md); one that is not loaded is a ValueError.
         """
         obj = _make_request(locals())
         if stream:

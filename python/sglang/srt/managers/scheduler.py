@@ -669,9 +669,12 @@ class Scheduler:
         try:
             if self.lora is None or name not in self.lora.loaded:
                 raise PauseModeError(f"LoRA adapter {name!r} is not loaded")
-            mode, _ = resolve_pause_mode(recv.mode, recv.clear_cache)
-            if mode == "wait" or recv.timeout_s is not None:
-                raise PauseModeError("mode 'wait' and timeout_s are not supported with lora_name")
+            mode, flush = resolve_pause_mode(recv.mode, recv.clear_cache)
+            if mode == "wait" or recv.timeout_s is not None or flush:
+                raise PauseModeError(
+                    "mode 'wait', timeout_s and clear_cache are not supported with lora_name "
+                    "(an adapter update starts a fresh prefix-cache namespace by itself)"
+                )
         except PauseModeError as e:
             return PauseGenerationReqOutput(success=False, message=str(e), req_id=recv.req_id)
         self.lora_paused[name] = mode

@@ -220,6 +220,27 @@ def test_unload_refused_while_in_use(engine: sgl.Engine, lora_dirs: dict[str, Pa
     assert engine.unload_lora_adapter("d").success
 
 
+def test_load_from_tensors(engine: sgl.Engine, lora_dirs: dict[str, Path],
+                           reference: Callable) -> None:
+    """An adapter pushed in-process (no checkpoint on disk) serves like the checkpoint."""
+    import json
+
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(lora_dirs["d"] / "adapter_model.safetensors"))
+    config = json.loads((lora_dirs["d"] / "adapter_config.json").read_text())
+    out = engine.load_lora_adapter_from_tensors("t", tensors, config, weight_version="t1")
+    assert out.success, out.error_message
+    try:
+        res = gen(engine, PROMPTS[2], "t")
+        check_matches(res, reference("d", PROMPTS[2]))
+        assert res["meta_info"]["weight_version"] == "t1"
+        bad = engine.load_lora_adapter_from_tensors("t2", tensors, {**config, "r": 64})
+        assert not bad.success and "rank 64 > --max-lora-rank 8" in bad.error_message
+    finally:
+        assert engine.unload_lora_adapter("t").success
+
+
 # ---- scoped pause -----------------------------------------------------------------------------
 LONG = 120
 

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterator
 from multiprocessing import connection as mp_connection
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglang.srt.entrypoints import engine_weights, replies
 from sglang.srt.managers.detokenizer_manager import (
@@ -42,6 +42,7 @@ from sglang.srt.managers.io_struct import (
     ContinueGenerationReqInput,
     FlushCacheReqOutput,
     GenerateReqInput,
+    LoadLoRAAdapterFromTensorsReqInput,
     LoadLoRAAdapterReqInput,
     LoRAUpdateOutput,
     PauseGenerationReqInput,
@@ -57,6 +58,9 @@ from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.server_args_upstream import server_args_from_kwargs
 from sglang.srt.utils import kill_process_tree
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -515,6 +519,25 @@ class Engine:
     ) -> LoRAUpdateOutput:
         obj = LoadLoRAAdapterReqInput(lora_name, lora_path, pinned, weight_version=weight_version)
         return await self._bridge(self._manager().load_lora_adapter(obj))
+
+    def load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        tensors: dict[str, torch.Tensor] | list[tuple[str, torch.Tensor]],
+        config_dict: dict[str, Any],
+        load_format: str | None = None,
+        weight_version: str | None = None,
+    ) -> LoRAUpdateOutput:
+        """Load (or, over a paused adapter's name, update) an adapter from PEFT-named tensors
+        (``...layers.0.self_attn.q_proj.lora_A.weight``, as ``get_peft_model_state_dict``
+        gives them) and its adapter config (adapter_config.json's content), without a
+        checkpoint on disk. Upstream's signature; only the default ``load_format``."""
+        if load_format is not None:
+            raise ValueError(f"load_format {load_format!r} is not supported for LoRA tensors")
+        obj = LoadLoRAAdapterFromTensorsReqInput(
+            lora_name, dict(tensors), dict(config_dict), weight_version
+        )
+        return self._run(self._manager().load_lora_adapter_from_tensors(obj))
 
     def unload_lora_adapter(self, lora_name: str) -> LoRAUpdateOutput:
         """Unload ``lora_name``; refused while requests of it run or wait."""

@@ -77,22 +77,28 @@ def read_adapter_config(path: Path) -> dict:
         config = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise LoRAError(f"cannot read {config_file}: {e}") from e
+    return check_adapter_config(config, str(path))
+
+
+def check_adapter_config(config: object, path: str) -> dict:
+    """LoRAError unless ``config`` (adapter_config.json's content) describes a LoRA adapter
+    this server can apply; returns it."""
     if not isinstance(config, dict):
-        raise LoRAError(f"{config_file} is not a JSON object")
+        raise LoRAError(f"{path!r}: the adapter config is not a JSON object")
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
-        raise LoRAError(f"{str(path)!r} is a {peft_type} adapter; only LoRA is supported")
+        raise LoRAError(f"{path!r} is a {peft_type} adapter; only LoRA is supported")
     for key, why in (
         ("rank_pattern", "per-module ranks"),
         ("alpha_pattern", "per-module alphas"),
         ("modules_to_save", "fully trained extra modules"),
     ):
         if config.get(key):
-            raise LoRAError(f"{str(path)!r} uses {key} ({why}), which is not supported")
+            raise LoRAError(f"{path!r} uses {key} ({why}), which is not supported")
     if config.get("bias", "none") != "none":
-        raise LoRAError(f"{str(path)!r} trains biases (bias={config['bias']!r}); not supported")
+        raise LoRAError(f"{path!r} trains biases (bias={config['bias']!r}); not supported")
     if config.get("use_dora"):
-        raise LoRAError(f"{str(path)!r} is a DoRA adapter; not supported")
+        raise LoRAError(f"{path!r} is a DoRA adapter; not supported")
     return config
 
 
@@ -115,6 +121,19 @@ def load_adapter(name: str, path: str, max_rank: int, allowed: tuple[str, ...]) 
     pool's :meth:`check`). Raises :class:`LoRAError`."""
     root = Path(path)
     config = read_adapter_config(root)
+    return build_adapter(name, path, config, _read_tensors(root), max_rank, allowed)
+
+
+def build_adapter(
+    name: str,
+    path: str,
+    config: dict,
+    tensors: dict[str, torch.Tensor],
+    max_rank: int,
+    allowed: tuple[str, ...],
+) -> LoRAAdapter:
+    """The adapter of a checked ``config`` and PEFT-named ``tensors`` (from a checkpoint, or
+    pushed in-process); ``path`` only labels it. Raises :class:`LoRAError`."""
     rank = config.get("r")
     alpha = config.get("lora_alpha", rank)
     if not isinstance(rank, int) or rank <= 0:
@@ -128,7 +147,9 @@ def load_adapter(name: str, path: str, max_rank: int, allowed: tuple[str, ...]) 
         raise LoRAError(f"{path!r}: adapter_config.json has a non-numeric 'lora_alpha'")
     scaling = float(alpha) / (math.sqrt(rank) if config.get("use_rslora") else rank)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in _read_tensors(root).items():
+    for key, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise LoRAError(f"adapter {name!r}: {key!r} is not a tensor")
         m = _WEIGHT_RE.search(key)
         if m is None:
             raise LoRAError(f"adapter {name!r}: unsupported tensor {key!r} (not a decoder-layer "

@@ -29,6 +29,8 @@ from sglang.srt.lora.adapter import (
     PROJ_TO_MODULE,
     LoRAAdapter,
     LoRAError,
+    build_adapter,
+    check_adapter_config,
     load_adapter,
     normalize_target_modules,
     read_adapter_config,
@@ -81,9 +83,18 @@ class LoRAManager:
             self.load(name, path)
 
     # ---- the registry ------------------------------------------------------------------------
-    def load(self, name: str, path: str, version: str | None = None) -> LoadedLoRA:
-        """Load (or reload, over the same name) the adapter at ``path``. LoRAError when it
-        cannot be served, or when ``--max-loaded-loras`` adapters are loaded already."""
+    def load(
+        self,
+        name: str,
+        path: str,
+        version: str | None = None,
+        tensors: dict[str, torch.Tensor] | None = None,
+        config: dict | None = None,
+    ) -> LoadedLoRA:
+        """Load (or reload, over the same name) the adapter at ``path``, or the one given as
+        PEFT-named ``tensors`` and its adapter ``config`` (``path`` then only labels it).
+        LoRAError when it cannot be served, or when ``--max-loaded-loras`` adapters are loaded
+        already."""
         if not name or not isinstance(name, str):
             raise LoRAError("lora_name must be a non-empty string")
         if name not in self.loaded and self.max_loaded and len(self.loaded) >= self.max_loaded:
@@ -91,7 +102,13 @@ class LoRAManager:
                 f"{len(self.loaded)} adapters are loaded (--max-loaded-loras "
                 f"{self.max_loaded}); unload one first"
             )
-        adapter = load_adapter(name, path, self.max_rank, self.target_modules)
+        if tensors is None:
+            adapter = load_adapter(name, path, self.max_rank, self.target_modules)
+        else:
+            checked = check_adapter_config(config, path)
+            adapter = build_adapter(
+                name, path, checked, tensors, self.max_rank, self.target_modules
+            )
         self._check_shapes(adapter)
         prev = self.loaded.get(name)
         num_loads = 1 if prev is None else prev.num_loads + 1

@@ -567,6 +567,19 @@ class LoadLoRAAdapterReqInput:
 
 
 @dataclass
+class LoadLoRAAdapterFromTensorsReqInput:
+    """Load an adapter pushed in-process: PEFT-named ``tensors`` (``...q_proj.lora_A.weight``)
+    and its ``config_dict`` (adapter_config.json's content). Same rules as
+    :class:`LoadLoRAAdapterReqInput`."""
+
+    lora_name: str
+    tensors: dict[str, Any]
+    config_dict: dict[str, Any]
+    weight_version: str | None = None
+    req_id: str = field(default_factory=_new_id)
+
+
+@dataclass
 class UnloadLoRAAdapterReqInput:
     lora_name: str
     lora_id: str | None = None

@@ -36,6 +36,7 @@ from sglang.srt.managers.io_struct import (
     GetInternalStateReq,
     GetInternalStateReqOutput,
     GetWeightsByNameReqInput,
+    LoadLoRAAdapterFromTensorsReqInput,
     LoadLoRAAdapterReqInput,
     LoRAUpdateOutput,
     PauseGenerationReqInput,
@@ -170,6 +171,7 @@ class Scheduler:
                 (ReleaseMemoryOccupationReqInput, self.memory.release),
                 (ResumeMemoryOccupationReqInput, self.memory.resume),
                 (LoadLoRAAdapterReqInput, self.handle_load_lora),
+                (LoadLoRAAdapterFromTensorsReqInput, self.handle_load_lora),
                 (UnloadLoRAAdapterReqInput, self.handle_unload_lora),
             ]
         )
@@ -623,9 +625,12 @@ class Scheduler:
         }
         return LoRAUpdateOutput(not error, error, loaded, req_id)
 
-    def handle_load_lora(self, recv: LoadLoRAAdapterReqInput) -> LoRAUpdateOutput:
-        """Load an adapter, or reload one over its name (an adapter weight update): refused
-        while requests of it hold KV, unless it is paused by name."""
+    def handle_load_lora(
+        self, recv: LoadLoRAAdapterReqInput | LoadLoRAAdapterFromTensorsReqInput
+    ) -> LoRAUpdateOutput:
+        """Load an adapter (from disk or pushed tensors), or reload one over its name (an
+        adapter weight update): refused while requests of it hold KV, unless it is paused by
+        name."""
         if self.lora is None:
             return self._lora_reply(recv.req_id, "LoRA is not enabled (start with --enable-lora)")
         name = recv.lora_name
@@ -637,7 +642,13 @@ class Scheduler:
                 "running; pause it first (pause_generation with lora_name) to update it",
             )
         try:
-            self.lora.load(name, recv.lora_path, recv.weight_version)
+            if isinstance(recv, LoadLoRAAdapterReqInput):
+                self.lora.load(name, recv.lora_path, recv.weight_version)
+            else:
+                self.lora.load(
+                    name, f"<tensors of {name}>", recv.weight_version, recv.tensors,
+                    recv.config_dict,
+                )
         except LoRAError as e:
             return self._lora_reply(recv.req_id, str(e))
         return self._lora_reply(recv.req_id)

@@ -43,6 +43,7 @@ from sglang.srt.managers.io_struct import (
     GetWeightsByNameReqInput,
     GetWeightsByNameReqOutput,
     InitWeightsUpdateGroupReqInput,
+    LoadLoRAAdapterFromTensorsReqInput,
     LoadLoRAAdapterReqInput,
     LoRAUpdateOutput,
     PauseGenerationReqInput,
@@ -416,6 +417,15 @@ class TokenizerManager:
     ) -> LoRAUpdateOutput:
         """Load (or, over a paused adapter's name, update) an adapter; a refusal changes
         nothing and comes back as ``success=False``."""
+        out: LoRAUpdateOutput = await self._control(obj)
+        if out.success:
+            self.lora_adapters = dict(out.loaded_adapters)
+        return out
+
+    async def load_lora_adapter_from_tensors(
+        self, obj: LoadLoRAAdapterFromTensorsReqInput, request: fastapi.Request | None = None
+    ) -> LoRAUpdateOutput:
+        """Load (or update) an adapter from PEFT-named tensors pushed in-process."""
         out: LoRAUpdateOutput = await self._control(obj)
         if out.success:
             self.lora_adapters = dict(out.loaded_adapters)

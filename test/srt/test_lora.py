@@ -245,7 +245,7 @@ def test_load_from_tensors(engine: sgl.Engine, lora_dirs: dict[str, Path],
 LONG = 120
 
 
-@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place", "wait"])
 def test_pause_one_adapter_while_another_runs(engine: sgl.Engine, reference: Callable,
                                               mode: str) -> None:
     long = {"max_new_tokens": LONG, "ignore_eos": True}

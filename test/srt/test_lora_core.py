@@ -54,7 +54,7 @@ class FakeLoRA:
 def core_of(tiny_model_dir: Callable[..., Path]) -> Callable[..., Any]:
     def make(**kw: Any) -> Any:
         core, _, sink = make_core(str(tiny_model_dir("llama")), **kw)
-        core.lora = FakeLoRA(["a", "b", "c"])
+        core.lora = core.lora_ctl.lora = FakeLoRA(["a", "b", "c"])
         core.kv.lora_uid = core.lora.uid
         return core, sink
 
@@ -136,6 +136,39 @@ def test_load_unload_gates(core_of: Callable) -> None:
     assert core.internal_state()["paused_loras"] == {}  # unloading forgets its pause
     submit(core, "Z", PROMPT_A, 2, lora_path="a")  # no longer loaded: refused, not queued
     assert sink.by_rid["Z"].finished_reasons[0]["message"] == "LoRA adapter 'a' is not loaded"
-    bad = control(core, sink, PauseGenerationReqInput(mode="wait", lora_name="b"))
+    bad = control(core, sink, PauseGenerationReqInput(mode="retract", clear_cache=True,
+                                                      lora_name="b"))
     assert not bad.success and "not supported with lora_name" in bad.message
     assert core.internal_state()["paused_loras"] == {}
+
+
+@pytest.mark.parametrize("timeout_s", [None, 1e-6])
+def test_wait_drains_one_adapter(core_of: Callable, timeout_s: float | None) -> None:
+    """wait: a's running request decodes to its end (or, past timeout_s, is retracted), a's
+    new requests are not admitted, b runs on; the reply comes once drained."""
+    core, sink = core_of()
+    vocab = core.model_config.vocab_size
+    submit(core, "A", PROMPT_A, N, lora_path="a")
+    submit(core, "B", PROMPT_B, 2 * N, lora_path="b")
+    core.run_step()
+    msg = PauseGenerationReqInput(mode="wait", lora_name="a", timeout_s=timeout_s)
+    first = control(core, sink, msg)
+    if timeout_s is None:
+        assert first is None  # draining: answered later
+        assert core.internal_state()["draining_loras"] == ["a"]
+    submit(core, "A2", PROMPT_A, 2, lora_path="a")
+    run_until_idle(core)
+    reply = [r for r in sink.replies if getattr(r, "req_id", None) == msg.req_id]
+    assert len(reply) == 1 and reply[0].success and reply[0].mode == "wait"
+    assert core.internal_state()["paused_loras"] == {"a": "wait"}
+    assert outputs(sink, "B") == expected_output(PROMPT_B, 2 * N, vocab)
+    assert [r.rid for r in core.waiting_queue][-1] == "A2" and not sink.finished("A2")
+    if timeout_s is None:
+        assert outputs(sink, "A") == expected_output(PROMPT_A, N, vocab)
+        assert reply[0].num_retracted == 0
+    else:
+        assert reply[0].num_retracted == 1 and not sink.finished("A")
+    control(core, sink, ContinueGenerationReqInput(lora_name="a"))
+    run_until_idle(core)
+    assert outputs(sink, "A") == expected_output(PROMPT_A, N, vocab)
+    assert outputs(sink, "A2") == expected_output(PROMPT_A, 2, vocab)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.lora.adapter import LoRAError
+from sglang.srt.lora.control import LoRAControl
 from sglang.srt.lora.scheduling import admissible, unpaused
 from sglang.srt.managers.control_hooks import SchedulerHooks
 from sglang.srt.managers.io_struct import (
@@ -38,7 +38,6 @@ from sglang.srt.managers.io_struct import (
     GetWeightsByNameReqInput,
     LoadLoRAAdapterFromTensorsReqInput,
     LoadLoRAAdapterReqInput,
-    LoRAUpdateOutput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     PauseStateOutput,
@@ -124,10 +123,9 @@ class Scheduler:
         self.debug_checks = server_args.log_level == "debug"
         self._was_busy = False
 
-        # LoRA (docs/lora.md): the worker's adapter registry, and the adapters paused by name
-        # (-> their pause mode); their requests are neither admitted nor decoded.
+        # LoRA (docs/lora.md): the worker's adapter registry and the adapter-scoped control.
         self.lora = getattr(worker, "lora_manager", None)
-        self.lora_paused: dict[str, str] = {}
+        self.lora_ctl = LoRAControl(self, self.lora)
         if self.lora is not None:
             kv.lora_uid = self.lora.uid
         weight_state = kv.weights
@@ -136,7 +134,7 @@ class Scheduler:
             tokenizer,
             send_output,
             server_args.stream_interval,
-            version_of=self._lora_version,
+            version_of=self.lora_ctl.version_of,
         )
         hooks = SchedulerHooks(
             abort_all=lambda message: self.abort_matching(lambda rid: True, message),
@@ -170,9 +168,9 @@ class Scheduler:
                 (UpdateWeightVersionReqInput, self.weights.update_weight_version),
                 (ReleaseMemoryOccupationReqInput, self.memory.release),
                 (ResumeMemoryOccupationReqInput, self.memory.resume),
-                (LoadLoRAAdapterReqInput, self.handle_load_lora),
-                (LoadLoRAAdapterFromTensorsReqInput, self.handle_load_lora),
-                (UnloadLoRAAdapterReqInput, self.handle_unload_lora),
+                (LoadLoRAAdapterReqInput, self.lora_ctl.handle_load),
+                (LoadLoRAAdapterFromTensorsReqInput, self.lora_ctl.handle_load),
+                (UnloadLoRAAdapterReqInput, self.lora_ctl.handle_unload),
             ]
         )
 
@@ -192,6 +190,7 @@ class Scheduler:
         :meth:`has_runnable_work` says whether another turn has work."""
         self.num_loop_turns += 1
         self.check_pause()
+        self.lora_ctl.check_drains()
         batch = self.get_next_batch_to_run()
         self.cur_batch = batch
         if batch is None:
@@ -214,13 +213,14 @@ class Scheduler:
         a step to run, or a drained ``wait`` pause to answer."""
         if self.pause.pending is not None and not self.num_kv_holders():
             return True
+        if self.lora_ctl.has_drain_to_answer():
+            return True
         if not self.pause.allows_forward() or self.memory.blocks_forward():
             return False
-        paused = set(self.lora_paused)
         return bool(
-            unpaused(self.waiting_queue, paused)
+            unpaused(self.waiting_queue, self.lora_ctl.no_admission())
             or self.chunked_req
-            or unpaused(self.running_batch.reqs, paused)
+            or unpaused(self.running_batch.reqs, self.lora_ctl.no_decode())
         )
 
     def reply(self, msg: Any) -> None:
@@ -260,11 +260,10 @@ class Scheduler:
         if self.chunked_req is None and (not waiting or num_running >= self.max_running_requests):
             return None
         sort_waiting_queue(self.waiting_queue, self.server_args.schedule_policy, self.kv)
-        if waiting and (self.lora is not None or self.lora_paused):
-            holders = self.kv_holders()
-            waiting = admissible(
-                waiting, holders, set(self.lora_paused), self.server_args.max_loras_per_batch
-            )
+        if waiting and self.lora is not None:
+            blocked = self.lora_ctl.no_admission()
+            limit = self.server_args.max_loras_per_batch
+            waiting = admissible(waiting, self.kv_holders(), blocked, limit)
         chunk = self.server_args.chunked_prefill_size
         adder = PrefillAdder(
             kv=self.kv,
@@ -332,7 +331,7 @@ class Scheduler:
     def _decode_batch(self) -> ScheduleBatch:
         """The running batch, or (while an adapter is paused in place) a batch of its other
         requests: the paused ones keep their place and KV but decode nothing."""
-        reqs = unpaused(self.running_batch.reqs, set(self.lora_paused))
+        reqs = unpaused(self.running_batch.reqs, self.lora_ctl.no_decode())
         return self.running_batch if reqs is self.running_batch.reqs else self._new_batch(reqs)
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
@@ -401,22 +400,36 @@ class Scheduler:
         """PAUSED -> RUNNING (PREFILLING for the chunked request); requests of an adapter
         paused by name stay PAUSED."""
         for req in self.running_batch.reqs:
-            paused = req.lora_name in self.lora_paused
+            paused = req.lora_name in self.lora_ctl.paused
             req.status = ReqStatus.PAUSED if paused else ReqStatus.RUNNING
         if self.chunked_req is not None:
             self.chunked_req.status = ReqStatus.PREFILLING
 
-    def retract_all(self) -> int:
-        """Move the running batch and the chunked request back to the waiting queue, in order."""
-        retracted = list(self.running_batch.reqs)
-        self.running_batch.filter([])
-        if self.chunked_req is not None:
-            retracted.append(self.chunked_req)
+    def retract_where(self, pred: Callable[[Req], bool], running: bool = True) -> int:
+        """Move the chunked request, and (``running``) the running requests, that ``pred``
+        selects back to the front of the waiting queue, in order, releasing their KV."""
+        chunked = self.chunked_req
+        retracted = [r for r in self.running_batch.reqs if pred(r)] if running else []
+        self.running_batch.filter([r for r in self.running_batch.reqs if r not in retracted])
+        if chunked is not None and pred(chunked):
+            retracted.append(chunked)
             self.chunked_req = None
         for req in retracted:
             self.retract(req)
         self.waiting_queue = retracted + self.waiting_queue
         return len(retracted)
+
+    def set_paused(self, pred: Callable[[Req], bool], paused: bool) -> None:
+        """RUNNING <-> PAUSED for the running requests ``pred`` selects (an adapter paused in
+        place; they keep their KV). Requests stay PAUSED while the engine itself is paused."""
+        status = ReqStatus.PAUSED if paused or self.pause.paused else ReqStatus.RUNNING
+        for req in self.running_batch.reqs:
+            if pred(req):
+                req.status = status
+
+    def retract_all(self) -> int:
+        """Move the running batch and the chunked request back to the waiting queue, in order."""
+        return self.retract_where(lambda req: True)
 
     def _invalidate_cache(self) -> None:
         self.tree_cache.invalidate()
@@ -448,7 +461,7 @@ class Scheduler:
         req = make_req(recv, self.model_config, self.server_args.random_seed)
         reason = refusal(req, self.max_req_input_len, self.max_total_num_tokens)
         name = req.lora_name
-        if name is not None and (self.lora is None or name not in self.lora.loaded):
+        if name is not None and not self.lora_ctl.is_loaded(name):
             reason = f"LoRA adapter {name!r} is not loaded"
         if reason is not None:
             self.finish([req], {"type": "abort", "message": reason})
@@ -510,7 +523,7 @@ class Scheduler:
     def handle_pause(self, recv: PauseGenerationReqInput) -> PauseGenerationReqOutput | None:
         """Pause per DESIGN §5. A ``wait`` pause is answered later, once drained."""
         if recv.lora_name is not None:
-            return self.pause_lora(recv)
+            return self.lora_ctl.pause(recv)
         try:
             mode, flush = resolve_pause_mode(recv.mode, recv.clear_cache)
             if recv.timeout_s is not None and not recv.timeout_s > 0:
@@ -566,7 +579,7 @@ class Scheduler:
 
     def handle_continue(self, recv: ContinueGenerationReqInput) -> ContinueGenerationReqOutput:
         if recv.lora_name is not None:
-            return self.continue_lora(recv)
+            return self.lora_ctl.cont(recv)
         was_paused = self.pause.paused
         if self.pause.pending is not None:
             self.reply(self.end_drain(retract=False))
@@ -604,131 +617,5 @@ class Scheduler:
             "weight_version": self.weights.version,
             "memory_released_tags": sorted(self.memory.released),
             "max_running_requests": self.max_running_requests,
-            "lora_adapters": [] if self.lora is None else self.lora.describe(),
-            "paused_loras": dict(self.lora_paused),
+            **self.lora_ctl.internal_state(),
         }
-
-    # ---- LoRA adapters: load / unload, pause and continue by adapter (docs/lora.md) ---------
-    def _lora_version(self, req: Req) -> str | None:
-        if req.lora_name is None or self.lora is None or req.lora_name not in self.lora.loaded:
-            return None
-        return str(self.lora.version(req.lora_name))
-
-    def _lora_reqs(self, name: str) -> tuple[list[Req], list[Req]]:
-        """(KV holders, waiting requests) of adapter ``name``."""
-        holders = [r for r in self.kv_holders() if r.lora_name == name]
-        return holders, [r for r in self.waiting_queue if r.lora_name == name]
-
-    def _lora_reply(self, req_id: str, error: str = "") -> LoRAUpdateOutput:
-        loaded = {} if self.lora is None else {
-            d["lora_name"]: d["lora_path"] for d in self.lora.describe()
-        }
-        return LoRAUpdateOutput(not error, error, loaded, req_id)
-
-    def handle_load_lora(
-        self, recv: LoadLoRAAdapterReqInput | LoadLoRAAdapterFromTensorsReqInput
-    ) -> LoRAUpdateOutput:
-        """Load an adapter (from disk or pushed tensors), or reload one over its name (an
-        adapter weight update): refused while requests of it hold KV, unless it is paused by
-        name."""
-        if self.lora is None:
-            return self._lora_reply(recv.req_id, "LoRA is not enabled (start with --enable-lora)")
-        name = recv.lora_name
-        holders, _ = self._lora_reqs(name)
-        if name in self.lora.loaded and holders and name not in self.lora_paused:
-            return self._lora_reply(
-                recv.req_id,
-                f"LoRA adapter {name!r} is loaded and {len(holders)} of its requests are "
-                "running; pause it first (pause_generation with lora_name) to update it",
-            )
-        try:
-            if isinstance(recv, LoadLoRAAdapterReqInput):
-                self.lora.load(name, recv.lora_path, recv.weight_version)
-            else:
-                self.lora.load(
-                    name, f"<tensors of {name}>", recv.weight_version, recv.tensors,
-                    recv.config_dict,
-                )
-        except LoRAError as e:
-            return self._lora_reply(recv.req_id, str(e))
-        return self._lora_reply(recv.req_id)
-
-    def handle_unload_lora(self, recv: UnloadLoRAAdapterReqInput) -> LoRAUpdateOutput:
-        """Unload an adapter; refused while any request of it is running or waiting."""
-        if self.lora is None:
-            return self._lora_reply(recv.req_id, "LoRA is not enabled (start with --enable-lora)")
-        name = recv.lora_name
-        if name not in self.lora.loaded:
-            return self._lora_reply(recv.req_id, f"LoRA adapter {name!r} is not loaded")
-        holders, waiting = self._lora_reqs(name)
-        if holders or waiting:
-            return self._lora_reply(
-                recv.req_id,
-                f"LoRA adapter {name!r} has {len(holders) + len(waiting)} request(s) running "
-                "or waiting; abort them (abort_request with lora_name) or let them finish",
-            )
-        self.lora.unload(name)
-        self.lora_paused.pop(name, None)
-        return self._lora_reply(recv.req_id)
-
-    def pause_lora(self, recv: PauseGenerationReqInput) -> PauseGenerationReqOutput:
-        """Pause one adapter's requests; every other adapter and the base model run on.
-        abort: its requests end; retract: they go back to the waiting queue without KV;
-        in_place: they keep their place and KV (a chunked prefill of it is retracted)."""
-        name = recv.lora_name
-        assert name is not None
-        try:
-            if self.lora is None or name not in self.lora.loaded:
-                raise PauseModeError(f"LoRA adapter {name!r} is not loaded")
-            mode, flush = resolve_pause_mode(recv.mode, recv.clear_cache)
-            if mode == "wait" or recv.timeout_s is not None or flush:
-                raise PauseModeError(
-                    "mode 'wait', timeout_s and clear_cache are not supported with lora_name "
-                    "(an adapter update starts a fresh prefix-cache namespace by itself)"
-                )
-        except PauseModeError as e:
-            return PauseGenerationReqOutput(success=False, message=str(e), req_id=recv.req_id)
-        self.lora_paused[name] = mode
-        num_aborted = num_retracted = 0
-        if mode == "abort":
-            num_aborted = self.abort_where(
-                lambda r: r.lora_name == name, "Aborted by pause_generation"
-            )
-        else:
-            mine = [r for r in self.running_batch.reqs if r.lora_name == name]
-            chunked = self.chunked_req
-            if chunked is not None and chunked.lora_name == name:
-                self.chunked_req = None
-                self.retract(chunked)
-                self.waiting_queue.insert(0, chunked)
-                num_retracted += 1
-            if mode == "retract":
-                self.running_batch.filter([r for r in self.running_batch.reqs if r not in mine])
-                for req in mine:
-                    self.retract(req)
-                self.waiting_queue = mine + self.waiting_queue
-                num_retracted += len(mine)
-            for req in self.running_batch.reqs:
-                if req.lora_name == name:
-                    req.status = ReqStatus.PAUSED
-        holders, waiting = self._lora_reqs(name)
-        return PauseGenerationReqOutput(
-            success=True,
-            message="Generation paused successfully.",
-            mode=mode,
-            num_running=len(holders),
-            num_retracted=num_retracted,
-            num_aborted=num_aborted,
-            num_waiting=len(waiting),
-            req_id=recv.req_id,
-        )
-
-    def continue_lora(self, recv: ContinueGenerationReqInput) -> ContinueGenerationReqOutput:
-        """Resume an adapter paused by name (its in-place requests decode again)."""
-        name = recv.lora_name
-        was_paused = self.lora_paused.pop(name or "", None) is not None
-        if not self.pause.paused:
-            for req in self.running_batch.reqs:
-                if req.lora_name == name:
-                    req.status = ReqStatus.RUNNING
-        return ContinueGenerationReqOutput(success=True, was_paused=was_paused, req_id=recv.req_id)

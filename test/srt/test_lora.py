@@ -321,6 +321,25 @@ def test_update_paused_adapter(engine: sgl.Engine, lora_dirs: dict[str, Path],
         assert engine.load_lora_adapter("a", str(lora_dirs["a"])).success
 
 
+def test_deterministic_mode_isolates_adapters(lora_dirs: dict[str, Path],
+                                              reference: Callable) -> None:
+    """--enable-deterministic-inference: b's tokens and logprobs are bitwise the same alone
+    and batched with other adapters (so pausing / updating them cannot touch b)."""
+    paths = [f"{n}={lora_dirs[n]}" for n in ("a", "b")]
+    with sgl.Engine(model_path=str(lora_dirs["base"]), random_seed=0, lora_paths=paths,
+                    max_total_tokens=4096, enable_deterministic_inference=True) as eng:
+        alone = gen(eng, PROMPTS[1], "b")
+        names: list[str | None] = ["a", "b", None, "a"]
+        prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[2]]
+        mixed = eng.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=names,
+                             return_logprob=True)
+    assert mixed[1]["output_ids"] == alone["output_ids"]
+    assert (mixed[1]["meta_info"]["output_token_logprobs"]
+            == alone["meta_info"]["output_token_logprobs"])
+    check_matches(alone, reference("b", PROMPTS[1]))
+    check_matches(mixed[0], reference("a", PROMPTS[0]))
+
+
 # ---- units ------------------------------------------------------------------------------------
 def _req(rid: str, lora: str | None) -> Req:
     req = Req(rid, [1, 2], SamplingParams(), 0, set())

@@ -71,7 +71,11 @@ class LoRATarget:
         num_slots: int,
         max_rank: int,
         get_batch: Callable[[], LoRABatchInfo | None],
+        batch_invariant: bool = False,
     ) -> None:
+        """``batch_invariant``: compute the delta with the layer's own ``linear_fn`` (the
+        batch-invariant product of deterministic mode), so each row's delta is bitwise
+        independent of the other rows of the step."""
         weight = module.weight
         assert isinstance(weight, torch.Tensor), f"{kind} of layer {layer} has no weight tensor"
         self.layer, self.kind = layer, kind
@@ -85,6 +89,7 @@ class LoRATarget:
         self.B = torch.zeros(num_slots, self.out_features, n * max_rank, dtype=dtype, device=dev)
         self.width = [0] * num_slots  # n * rank of the adapter in each slot (0: empty)
         self._get_batch = get_batch
+        self.batch_invariant = batch_invariant
         self.handle = module.register_forward_hook(self._hook)
 
     def check(self, adapter: LoRAAdapter, proj: str, shard: int) -> None:
@@ -121,15 +126,18 @@ class LoRATarget:
             return output
         x = inputs[0].reshape(-1, self.in_features)
         out = output.view(-1, self.out_features)
+        product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
+            vars(module)["linear_fn"] if self.batch_invariant else _product
+        )
         for slot, rows in batch.groups:
             k = self.width[slot]
             if k == 0:
                 continue
             a, b = self.A[slot, :k], self.B[slot, :, :k]
             if rows is None:
-                out.add_((x @ a.T) @ b.T)
+                out.add_(product(product(x, a), b))
             else:
-                out.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
+                out.index_add_(0, rows, product(product(x.index_select(0, rows), a), b))
         return output
 
 
@@ -141,3 +149,7 @@ def find_targets(model: nn.Module) -> list[tuple[str, nn.Module, int, str]]:
         if m is not None and isinstance(getattr(module, "weight", None), torch.Tensor):
             found.append((name, module, int(m.group(1)), m.group(2)))
     return found
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x @ weight.T

@@ -69,7 +69,13 @@ class LoRAManager:
         for _, module, layer, kind in find_targets(model):
             if kind in kinds:
                 self.targets[(layer, kind)] = LoRATarget(
-                    module, layer, kind, self.num_slots, self.max_rank, lambda: self.batch
+                    module,
+                    layer,
+                    kind,
+                    self.num_slots,
+                    self.max_rank,
+                    lambda: self.batch,
+                    batch_invariant=server_args.enable_deterministic_inference,
                 )
         if not self.targets:
             raise ValueError("--enable-lora: the model has no projection LoRA can adapt")

@@ -539,6 +539,21 @@ class Engine:
         )
         return self._run(self._manager().load_lora_adapter_from_tensors(obj))
 
+    async def async_load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        tensors: dict[str, torch.Tensor] | list[tuple[str, torch.Tensor]],
+        config_dict: dict[str, Any],
+        load_format: str | None = None,
+        weight_version: str | None = None,
+    ) -> LoRAUpdateOutput:
+        if load_format is not None:
+            raise ValueError(f"load_format {load_format!r} is not supported for LoRA tensors")
+        obj = LoadLoRAAdapterFromTensorsReqInput(
+            lora_name, dict(tensors), dict(config_dict), weight_version
+        )
+        return await self._bridge(self._manager().load_lora_adapter_from_tensors(obj))
+
     def unload_lora_adapter(self, lora_name: str) -> LoRAUpdateOutput:
         """Unload ``lora_name``; refused while requests of it run or wait."""
         return self._run(self._manager().unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name)))

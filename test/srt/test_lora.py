@@ -385,6 +385,7 @@ def server(lora_dirs: dict[str, Path]) -> Iterator[Any]:
     with ServerProcess(
         lora_dirs["base"], "--skip-server-warmup", "--lora-paths", f"a={lora_dirs['a']}",
         "--max-loras-per-batch", "2", "--max-lora-rank", "8", "--max-total-tokens", "4096",
+        "--paused-admission", "reject",
     ) as s:
         yield s
 
@@ -417,6 +418,8 @@ def test_http_api(server: Any, lora_dirs: dict[str, Path], reference: Callable) 
     assert r.status_code == 200 and r.json()["mode"] == "retract"
     r = post(server, "/generate", {**body, "lora_path": "a"})  # a is not paused
     assert r.json()["output_ids"] == reference("a", PROMPTS[0])[0]
+    r = post(server, "/generate", {**body, "lora_path": "b"})  # --paused-admission reject
+    assert r.status_code == 503 and "'b' is paused" in r.json()["error"]["message"]
     r = post(server, "/continue_generation", {"lora_name": "b"})
     assert r.status_code == 200 and r.json()["was_paused"]
     r = post(server, "/abort_request", {"lora_name": "b"})

@@ -15,6 +15,7 @@ from sglang.srt.managers.io_struct import (
     AbortReq,
     ContinueGenerationReqInput,
     LoadLoRAAdapterReqInput,
+    LoRAPauseStateOutput,
     PauseGenerationReqInput,
     UnloadLoRAAdapterReqInput,
 )
@@ -76,6 +77,7 @@ def test_paused_adapter_stops_and_the_other_never_stalls(core_of: Callable, mode
         core.run_step()
     reply = control(core, sink, PauseGenerationReqInput(mode=mode, lora_name="a"))
     assert reply.success and reply.mode == mode
+    assert sink.last_reply(LoRAPauseStateOutput).paused == ["a"]  # the frontend's mirror
     num_a = len(core.running_batch.reqs[0].output_ids) if mode == "in_place" else None
     held_a = [r for r in core.kv_holders() if r.lora_name == "a"]
     assert len(held_a) == (1 if mode == "in_place" else 0)
@@ -95,6 +97,7 @@ def test_paused_adapter_stops_and_the_other_never_stalls(core_of: Callable, mode
     if num_a is not None:
         assert len(held_a[0].output_ids) == num_a  # paused in place: nothing decoded
     control(core, sink, ContinueGenerationReqInput(lora_name="a"))
+    assert sink.last_reply(LoRAPauseStateOutput).paused == []
     run_until_idle(core)
     if mode == "abort":
         assert sink.by_rid["A"].finished_reasons[0]["type"] == "abort"

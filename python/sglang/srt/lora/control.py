@@ -28,6 +28,7 @@ from sglang.srt.managers.io_struct import (
     ContinueGenerationReqOutput,
     LoadLoRAAdapterFromTensorsReqInput,
     LoadLoRAAdapterReqInput,
+    LoRAPauseStateOutput,
     LoRAUpdateOutput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
@@ -84,6 +85,10 @@ class LoRAControl:
             num = self.core.retract_where(_of_adapter(name)) if holders else 0
             self.core.reply(self._paused_reply(recv, "wait", num_retracted=num))
 
+    def announce(self) -> None:
+        """Tell the frontend which adapters now refuse admission (paused or draining)."""
+        self.core.reply(LoRAPauseStateOutput(sorted(self.no_admission())))
+
     def internal_state(self) -> dict[str, Any]:
         return {
             "lora_adapters": [] if self.lora is None else self.lora.describe(),
@@ -132,7 +137,8 @@ class LoRAControl:
                 "or waiting; abort them (abort_request with lora_name) or let them finish",
             )
         self.lora.unload(name)
-        self.paused.pop(name, None)
+        if self.paused.pop(name, None) is not None:
+            self.announce()
         return self._reply(recv.req_id)
 
     # ---- pause / continue --------------------------------------------------------------------
@@ -161,9 +167,11 @@ class LoRAControl:
             self.paused.pop(name, None)
             self.core.set_paused(mine, False)
             self.draining[name] = (recv, deadline)
+            self.announce()
             self.check_drains()
             return None
         self.paused[name] = mode
+        self.announce()
         num_aborted = num_retracted = 0
         if mode == "abort":
             num_aborted = self.core.abort_where(mine, "Aborted by pause_generation")
@@ -178,6 +186,7 @@ class LoRAControl:
         self._end_drain(name)
         was_paused = self.paused.pop(name, None) is not None
         self.core.set_paused(_of_adapter(name), False)
+        self.announce()
         return ContinueGenerationReqOutput(success=True, was_paused=was_paused, req_id=recv.req_id)
 
     # ---- helpers -----------------------------------------------------------------------------

@@ -348,6 +348,15 @@ class PauseStateOutput:
 
 
 @dataclass
+class LoRAPauseStateOutput:
+    """Sent by the scheduler, unsolicited, whenever the set of LoRA adapters paused (or
+    draining) by name changes, before the reply of the call that changed it; the
+    TokenizerManager mirrors it for ``--paused-admission reject`` (docs/lora.md)."""
+
+    paused: list[str]
+
+
+@dataclass
 class ContinueGenerationReqInput:
     lora_name: str | None = None  # continue only this adapter (paused by name)
     req_id: str = field(default_factory=_new_id)

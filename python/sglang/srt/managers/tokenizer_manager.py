@@ -45,6 +45,7 @@ from sglang.srt.managers.io_struct import (
     InitWeightsUpdateGroupReqInput,
     LoadLoRAAdapterFromTensorsReqInput,
     LoadLoRAAdapterReqInput,
+    LoRAPauseStateOutput,
     LoRAUpdateOutput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
@@ -146,6 +147,7 @@ class TokenizerManager:
         # The scheduler's pause state as its last PauseStateOutput said (it owns the state and
         # its lease; this is a mirror for admission with --paused-admission reject).
         self._scheduler_paused = False
+        self._paused_loras: set[str] = set()  # adapters paused by name, as last reported
         # Whether the scheduler's KV cache or weights are released (nothing decodes then).
         self.memory_released = False
         self.weights_update_groups = WeightsUpdateGroups()
@@ -169,6 +171,7 @@ class TokenizerManager:
                 (ReleaseMemoryOccupationReqOutput, self._handle_control_output),
                 (ResumeMemoryOccupationReqOutput, self._handle_control_output),
                 (LoRAUpdateOutput, self._handle_control_output),
+                (LoRAPauseStateOutput, self._handle_lora_pause_state),
                 (PauseStateOutput, self._handle_pause_state),
                 (SchedulerErrorOutput, self._handle_scheduler_error),
             ]
@@ -235,6 +238,7 @@ class TokenizerManager:
         self.start()
         if self.server_args.paused_admission == "reject" and self.is_paused:
             raise EnginePausedError("Generation is paused; retry after continue_generation")
+        self._check_lora_admission(obj)
         check_generate_input(obj, self.limits)
         obj.normalize_batch_and_arguments()
         text_ids = await tokenize_texts(self.tokenizer, obj)
@@ -411,6 +415,17 @@ class TokenizerManager:
         if name not in self.lora_adapters:
             known = ", ".join(sorted(self.lora_adapters)) or "none"
             raise ValueError(f"LoRA adapter {name!r} is not loaded (loaded: {known})")
+
+    def _check_lora_admission(self, obj: GenerateReqInput) -> None:
+        """--paused-admission reject: a request of an adapter paused by name gets 503."""
+        if self.server_args.paused_admission != "reject" or not self._paused_loras:
+            return
+        names = obj.lora_path if isinstance(obj.lora_path, list) else [obj.lora_path]
+        paused = sorted(self._paused_loras.intersection(n for n in names if n is not None))
+        if paused:
+            raise EnginePausedError(
+                f"LoRA adapter {paused[0]!r} is paused; retry after continue_generation"
+            )
 
     async def load_lora_adapter(
         self, obj: LoadLoRAAdapterReqInput, request: fastapi.Request | None = None
@@ -692,6 +707,9 @@ class TokenizerManager:
 
     def _handle_pause_state(self, msg: PauseStateOutput) -> None:
         self._scheduler_paused = msg.paused
+
+    def _handle_lora_pause_state(self, msg: LoRAPauseStateOutput) -> None:
+        self._paused_loras = set(msg.paused)
 
     def _handle_scheduler_error(self, msg: SchedulerErrorOutput) -> None:
         self._fail_all(f"scheduler died: {msg.message}")

@@ -1,5 +1,7 @@
 """LoRA cost ratio: the same greedy workload on the base model alone, then spread over 4
 adapters (one batch mixes them), in one engine; prints decode throughput of each and the ratio.
+Then adapter B's throughput while adapter A generates too, without and with A being paused,
+reloaded and continued every ``--update-every`` seconds (the multi-tenant RL pattern).
 
     python benchmark/bench_lora.py [--model models/SmolLM2-135M-Instruct] [--rank 16]
 
@@ -46,6 +48,41 @@ def run(engine, prompts: list[list[int]], loras: list[str | None], max_new: int)
     return sum(len(o["output_ids"]) for o in outs) / elapsed
 
 
+def b_throughput(engine, paths: dict[str, str], prompts: list[list[int]], max_new: int,
+                 update_every: float | None) -> tuple[float, int]:
+    """B's tokens/s while A's requests run alongside (and, with ``update_every``, A is paused
+    (retract), reloaded and continued that often); returns (B tok/s, number of updates)."""
+    import threading
+
+    names = list(paths)
+    a, b = names[0], names[1]
+    done = threading.Event()
+    updates = 0
+
+    def updater() -> None:
+        nonlocal updates
+        while not done.wait(update_every):
+            engine.pause_generation(mode="retract", lora_name=a)
+            out = engine.load_lora_adapter(a, paths[names[2 + updates % 2]])
+            assert out.success, out.error_message
+            engine.continue_generation(lora_name=a)
+            updates += 1
+
+    params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+    rollout_a = threading.Thread(target=engine.generate, kwargs=dict(
+        input_ids=prompts, sampling_params=params, lora_path=[a] * len(prompts)))
+    rollout_a.start()
+    thread = threading.Thread(target=updater) if update_every else None
+    if thread is not None:
+        thread.start()
+    tput = run(engine, prompts, [b] * len(prompts), max_new)
+    done.set()
+    rollout_a.join()
+    if thread is not None:
+        thread.join()
+    return tput, updates
+
+
 def main() -> None:
     import sglang as sgl
 
@@ -55,6 +92,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--update-every", type=float, default=2.0)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_adapters(args.model, Path(tmp), 4, args.rank)
@@ -70,11 +108,16 @@ def main() -> None:
             base = max(run(engine, prompts, [None] * len(prompts), args.max_new)
                        for _ in range(args.repeats))
             lora = max(run(engine, prompts, mixed, args.max_new) for _ in range(args.repeats))
+            half = prompts[: args.num_requests // 2]
+            b_plain, _ = b_throughput(engine, paths, half, 2 * args.max_new, None)
+            b_upd, n_upd = b_throughput(engine, paths, half, 2 * args.max_new, args.update_every)
         finally:
             engine.shutdown()
     print(f"base alone: {base:.1f} tok/s; 4 adapters mixed: {lora:.1f} tok/s; "
           f"LoRA cost ratio (base / mixed): {base / lora:.2f}x "
           f"({args.num_requests} requests x {args.max_new} tokens, rank {args.rank})")
+    print(f"adapter B with A generating: {b_plain:.1f} tok/s; with A paused+reloaded+continued "
+          f"every {args.update_every:g} s ({n_upd} updates): {b_upd:.1f} tok/s")
 
 
 if __name__ == "__main__":

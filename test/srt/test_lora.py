@@ -434,3 +434,35 @@ def server_tokenizer(lora_dirs: dict[str, Path]) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(lora_dirs["base"])
+
+
+def test_padded_and_grouped_paths_agree() -> None:
+    """The one-bmm form of a multi-adapter step equals one pass per adapter."""
+    from sglang.srt.layers.linear import QKVLinear
+    from sglang.srt.lora.adapter import LoRAAdapter
+    from sglang.srt.lora.layers import LoRABatchInfo, LoRATarget
+    from sglang.srt.lora.lora_manager import _padded
+
+    torch.manual_seed(0)
+    layer = QKVLinear(32, 8, 4, 2)
+    torch.nn.init.normal_(layer.weight)
+    batch: list[LoRABatchInfo | None] = [None]
+    target = LoRATarget(layer, 0, "qkv_proj", 3, 8, lambda: batch[0])
+    for slot, rank in ((0, 2), (1, 8), (2, 4)):
+        weights = {(0, p): (torch.randn(rank, 32), torch.randn(n, rank))
+                   for p, n in (("q_proj", 32), ("k_proj", 16), ("v_proj", 16))}
+        target.write_slot(slot, LoRAAdapter(f"x{slot}", "", rank, 1.0, (), weights))
+    x = torch.randn(7, 32)
+    slots = torch.tensor([0, 1, -1, 2, 1, 0, 2])
+    groups: list[tuple[int, torch.Tensor | None]] = [
+        (s, torch.nonzero(slots == s).squeeze(1)) for s in (0, 1, 2)
+    ]
+    padded = _padded(groups, x.device, x.dtype)
+    assert padded is not None
+    batch[0] = LoRABatchInfo(groups)
+    grouped = layer(x)
+    batch[0] = LoRABatchInfo(groups, padded)
+    assert torch.allclose(layer(x), grouped, atol=1e-5)
+    batch[0] = None
+    base = layer(x)
+    assert torch.equal(grouped[2], base[2]) and not torch.allclose(grouped[0], base[0])

@@ -38,9 +38,18 @@ _TARGET_RE = re.compile(
 @dataclass
 class LoRABatchInfo:
     """Which rows of the step's flattened tokens use which slot: ``(slot, rows)`` per adapter
-    in the batch; ``rows`` None means every row (the whole batch uses that one adapter)."""
+    in the batch; ``rows`` None means every row (the whole batch uses that one adapter).
+
+    With several adapters of similar row counts (decode), ``padded`` holds the same grouping
+    as one ``[G, n_max]`` table so every projection does a fixed number of ops whatever G::
+
+        padded_rows [G*n_max]  row of x for each (group, position); padding repeats a real row
+        padded_mask [G*n_max, 1]  1.0 for real positions, 0.0 for padding
+        slots       [G]        the slot of each group
+    """
 
     groups: list[tuple[int, torch.Tensor | None]]
+    padded: tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None = None
 
 
 def _int_attr(module: nn.Module, name: str) -> int:
@@ -126,6 +135,9 @@ class LoRATarget:
             return output
         x = inputs[0].reshape(-1, self.in_features)
         out = output.view(-1, self.out_features)
+        if batch.padded is not None and not self.batch_invariant:
+            self._apply_padded(x, out, batch.padded)
+            return output
         product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
             vars(module)["linear_fn"] if self.batch_invariant else _product
         )
@@ -139,6 +151,26 @@ class LoRATarget:
             else:
                 out.index_add_(0, rows, product(product(x.index_select(0, rows), a), b))
         return output
+
+
+    def _apply_padded(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        padded: tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]],
+    ) -> None:
+        """All groups at once: ``[G, n_max, in] @ A[G]^T @ B[G]^T`` (two bmm), ranks padded
+        to the largest of the step (slot columns past an adapter's rank are zero)."""
+        rows, mask, slots, slot_list = padded
+        k = max(self.width[s] for s in slot_list)
+        if k == 0:
+            return
+        num_groups = slots.numel()
+        xs = x.index_select(0, rows).view(num_groups, -1, self.in_features)
+        a = self.A.index_select(0, slots)[:, :k]  # [G, k, in]
+        b = self.B.index_select(0, slots)[:, :, :k]  # [G, out, k]
+        delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2))
+        out.index_add_(0, rows, delta.view(-1, self.out_features) * mask)
 
 
 def find_targets(model: nn.Module) -> list[tuple[str, nn.Module, int, str]]:

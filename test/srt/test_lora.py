@@ -242,7 +242,7 @@ def test_load_from_tensors(engine: sgl.Engine, lora_dirs: dict[str, Path],
 
 
 # ---- scoped pause -----------------------------------------------------------------------------
-LONG = 120
+LONG = 300  # long enough (seconds on CPU) to still be running when paused
 
 
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place", "wait"])

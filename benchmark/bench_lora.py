@@ -49,7 +49,7 @@ def run(engine, prompts: list[list[int]], loras: list[str | None], max_new: int)
 
 
 def b_throughput(engine, paths: dict[str, str], prompts: list[list[int]], max_new: int,
-                 update_every: float | None) -> tuple[float, int]:
+                 update_every: float | None, mode: str = "in_place") -> tuple[float, int]:
     """B's tokens/s while A's requests run alongside (and, with ``update_every``, A is paused
     (retract), reloaded and continued that often); returns (B tok/s, number of updates)."""
     import threading
@@ -62,7 +62,7 @@ def b_throughput(engine, paths: dict[str, str], prompts: list[list[int]], max_ne
     def updater() -> None:
         nonlocal updates
         while not done.wait(update_every):
-            engine.pause_generation(mode="retract", lora_name=a)
+            engine.pause_generation(mode=mode, lora_name=a)
             out = engine.load_lora_adapter(a, paths[names[2 + updates % 2]])
             assert out.success, out.error_message
             engine.continue_generation(lora_name=a)
@@ -93,6 +93,9 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--update-every", type=float, default=2.0)
+    parser.add_argument("--pause-mode", default="in_place",
+                        help="how A pauses for its update: in_place keeps its KV, retract "
+                        "re-prefills A's requests under the new weights")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_adapters(args.model, Path(tmp), 4, args.rank)
@@ -110,14 +113,17 @@ def main() -> None:
             lora = max(run(engine, prompts, mixed, args.max_new) for _ in range(args.repeats))
             half = prompts[: args.num_requests // 2]
             b_plain, _ = b_throughput(engine, paths, half, 2 * args.max_new, None)
-            b_upd, n_upd = b_throughput(engine, paths, half, 2 * args.max_new, args.update_every)
+            b_upd, n_upd = b_throughput(
+                engine, paths, half, 2 * args.max_new, args.update_every, args.pause_mode
+            )
         finally:
             engine.shutdown()
     print(f"base alone: {base:.1f} tok/s; 4 adapters mixed: {lora:.1f} tok/s; "
           f"LoRA cost ratio (base / mixed): {base / lora:.2f}x "
           f"({args.num_requests} requests x {args.max_new} tokens, rank {args.rank})")
-    print(f"adapter B with A generating: {b_plain:.1f} tok/s; with A paused+reloaded+continued "
-          f"every {args.update_every:g} s ({n_upd} updates): {b_upd:.1f} tok/s")
+    print(f"adapter B with A generating: {b_plain:.1f} tok/s; with A paused ({args.pause_mode})"
+          f"+reloaded+continued every {args.update_every:g} s ({n_upd} updates): "
+          f"{b_upd:.1f} tok/s")
 
 
 if __name__ == "__main__":

@@ -175,3 +175,24 @@ def test_wait_drains_one_adapter(core_of: Callable, timeout_s: float | None) -> 
     run_until_idle(core)
     assert outputs(sink, "A") == expected_output(PROMPT_A, N, vocab)
     assert outputs(sink, "A2") == expected_output(PROMPT_A, 2, vocab)
+
+
+def test_global_wait_does_not_wait_for_an_adapter_paused_in_place(core_of: Callable) -> None:
+    core, sink = core_of()
+    vocab = core.model_config.vocab_size
+    submit(core, "A", PROMPT_A, N, lora_path="a")
+    submit(core, "B", PROMPT_B, N, lora_path="b")
+    core.run_step()
+    control(core, sink, PauseGenerationReqInput(mode="in_place", lora_name="a"))
+    msg = PauseGenerationReqInput(mode="wait")
+    assert control(core, sink, msg) is None  # B still running: the engine drains
+    run_until_idle(core)
+    reply = [r for r in sink.replies if getattr(r, "req_id", None) == msg.req_id]
+    assert len(reply) == 1 and reply[0].success  # drained although A holds KV, paused
+    assert sink.finished("B") and not sink.finished("A")
+    control(core, sink, ContinueGenerationReqInput())
+    run_until_idle(core)
+    assert not sink.finished("A")  # the global continue leaves the adapter's pause alone
+    control(core, sink, ContinueGenerationReqInput(lora_name="a"))
+    run_until_idle(core)
+    assert outputs(sink, "A") == expected_output(PROMPT_A, N, vocab)

@@ -211,7 +211,7 @@ class Scheduler:
     def has_runnable_work(self) -> bool:
         """Whether the next turn has something to do (the shell then does not block on input):
         a step to run, or a drained ``wait`` pause to answer."""
-        if self.pause.pending is not None and not self.num_kv_holders():
+        if self.pause.pending is not None and not self.num_draining():
             return True
         if self.lora_ctl.has_drain_to_answer():
             return True
@@ -410,7 +410,8 @@ class Scheduler:
         selects back to the front of the waiting queue, in order, releasing their KV."""
         chunked = self.chunked_req
         retracted = [r for r in self.running_batch.reqs if pred(r)] if running else []
-        self.running_batch.filter([r for r in self.running_batch.reqs if r not in retracted])
+        gone = {id(r) for r in retracted}
+        self.running_batch.filter([r for r in self.running_batch.reqs if id(r) not in gone])
         if chunked is not None and pred(chunked):
             retracted.append(chunked)
             self.chunked_req = None
@@ -441,6 +442,14 @@ class Scheduler:
 
     def num_kv_holders(self) -> int:
         return len(self.running_batch) + (self.chunked_req is not None)
+
+    def num_draining(self) -> int:
+        """KV holders a ``wait`` pause waits for: not those of an adapter paused in place
+        (they would never finish)."""
+        blocked = self.lora_ctl.no_decode()
+        if not blocked:
+            return self.num_kv_holders()
+        return len(unpaused(self.kv_holders(), blocked))
 
     def num_alive(self) -> int:
         return self.num_kv_holders() + len(self.waiting_queue)
@@ -535,7 +544,7 @@ class Scheduler:
         self.pause.start(recv, mode, flush)
         self.reply(PauseStateOutput(paused=True, mode=mode))
         if mode == "wait":
-            return self.end_drain(retract=False) if not self.num_kv_holders() else None
+            return self.end_drain(retract=False) if not self.num_draining() else None
         return self.apply_pause(recv.req_id, mode, flush)
 
     def apply_pause(self, req_id: str, mode: str, flush: bool) -> PauseGenerationReqOutput:
@@ -566,8 +575,8 @@ class Scheduler:
     def check_pause(self) -> None:
         """Each loop turn: end a finished or timed-out drain; honour an expired lease."""
         if self.pause.pending is not None:
-            if not self.num_kv_holders() or self.pause.drain_expired():
-                self.reply(self.end_drain(retract=self.num_kv_holders() > 0))
+            if not self.num_draining() or self.pause.drain_expired():
+                self.reply(self.end_drain(retract=self.num_draining() > 0))
         elif self.pause.lease_expired():
             logger.warning("Pause lease expired after the trainer's timeout; continuing")
             self.resume_generation()

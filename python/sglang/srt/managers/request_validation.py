@@ -172,6 +172,9 @@ def _check_logprob_args(
         raise ValueError(f"top_logprobs_num must be in [0, {vocab_size}], got {top_logprobs_num!r}")
 
 
+_MAX_LORA_NAME_LEN = 256
+
+
 def check_generate_input(obj: GenerateReqInput, limits: RequestLimits) -> None:
     """Check every field of a raw (not yet normalized) request against its type, range and
     ``limits``, cheaply and before tokenization. Raises InvalidRequestError naming the field.
@@ -219,10 +222,15 @@ def check_generate_input(obj: GenerateReqInput, limits: RequestLimits) -> None:
         if value is not None:
             check_int(param, value, 0, limits.vocab_size)
 
+    def lora_path(param: str, value: Any) -> None:
+        if value is not None:  # an adapter name (docs/lora.md)
+            check_str(param, value, _MAX_LORA_NAME_LEN, 1)
+
     checks: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
         ("return_logprob", check_bool), ("return_entropy", check_bool),
         ("logprob_start_len", start_len), ("top_logprobs_num", top_num),
         ("entropy_mode", entropy_mode), ("entropy_top_k", entropy_top_k),
+        ("lora_path", lora_path),
     )
     for name, check in checks:
         _check_per_request(name, getattr(obj, name), num_prompts, is_batch, check)

@@ -801,5 +801,5 @@ def _make_request(args: dict[str, Any]) -> GenerateReqInput:
         return_entropy=args["return_entropy"],
         entropy_mode=args["entropy_mode"],
         entropy_top_k=args["entropy_top_k"],
-        lora_path=args["lora_path"],
+        lora_path=args.get("lora_path"),
     )

@@ -366,6 +366,8 @@ def test_lora_paths_forms(tmp_path: Path, tiny_model_dir: Callable[..., Path]) -
     args = ServerArgs(model_path=model,
                       lora_paths=[{"lora_name": "x", "lora_path": "/p/x"}])  # type: ignore[list-item]
     assert args.lora_path_dict() == {"x": "/p/x"}
+    args = ServerArgs(model_path=model, lora_paths=['{"lora_name": "x", "lora_path": "/p/x"}'])
+    assert args.lora_path_dict() == {"x": "/p/x"}
     with pytest.raises(ValueError, match="twice"):
         ServerArgs(model_path=model, lora_paths=["x=/a", "x=/b"])
     with pytest.raises(ValueError, match="unsupported LoRA target"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import random
 import tempfile
@@ -255,9 +256,9 @@ class ServerArgs:
     )
     lora_paths: list[str] | None = _arg(
         None,
-        "Adapters loaded at start: 'name=path' (or just 'path', named by itself); also a "
-        "JSON object {name: path} or upstream's [{'lora_name', 'lora_path'}] list. Implies "
-        "--enable-lora.",
+        "Adapters loaded at start, each 'name=path', 'path' (named by itself) or upstream's "
+        "JSON '{\"lora_name\": ..., \"lora_path\": ...}'; Engine also takes a dict "
+        "{name: path}. Implies --enable-lora.",
     )
     max_loras_per_batch: int = _arg(
         8, "Adapter slots: the most distinct adapters in one batch (the base model is free)."
@@ -511,6 +512,11 @@ def _lora_path_entries(value: Any) -> list[str] | None:
         value = [{"lora_name": k, "lora_path": v} for k, v in value.items()]
     entries: dict[str, str] = {}
     for item in value:
+        if isinstance(item, str) and item.lstrip().startswith("{"):
+            try:
+                item = json.loads(item)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--lora-paths entry {item!r} is not valid JSON: {e}") from e
         if isinstance(item, dict):
             name, path = item.get("lora_name"), item.get("lora_path")
         elif isinstance(item, str):

@@ -440,13 +440,13 @@ def server_tokenizer(lora_dirs: dict[str, Path]) -> Any:
 
 def test_padded_and_grouped_paths_agree() -> None:
     """The one-bmm form of a multi-adapter step equals one pass per adapter."""
-    from sglang.srt.layers.linear import QKVLinear
+    from sglang.srt.layers.linear import QKVParallelLinear
     from sglang.srt.lora.adapter import LoRAAdapter
     from sglang.srt.lora.layers import LoRABatchInfo, LoRATarget
     from sglang.srt.lora.lora_manager import _padded
 
     torch.manual_seed(0)
-    layer = QKVLinear(32, 8, 4, 2)
+    layer = QKVParallelLinear(32, 8, 4, 2)
     torch.nn.init.normal_(layer.weight)
     batch: list[LoRABatchInfo | None] = [None]
     target = LoRATarget(layer, 0, "qkv_proj", 3, 8, lambda: batch[0])

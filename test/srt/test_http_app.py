@@ -524,7 +524,7 @@ def test_metrics(server: _Server) -> None:
         (json.dumps({"text": "a", "sampling_params": {"top_k": 0}}).encode(), 400, "top_k"),
         (json.dumps({"text": "a", "sampling_params": {"bogus": 1}}).encode(), 400, "bogus"),
         (json.dumps({"input_ids": [1, 1000]}).encode(), 400, "out of range"),
-        (json.dumps({"text": "a", "lora_path": "x"}).encode(), 400, "lora_path"),
+        (json.dumps({"text": "a", "lora_id": "x"}).encode(), 400, "lora_id"),
     ],
 )
 def test_bad_generate_requests(server: _Server, body: bytes, status: int, needle: str) -> None:

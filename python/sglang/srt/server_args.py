@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import random
 import tempfile
@@ -274,6 +275,35 @@ class ServerArgs:
         False, "Also return output_token_entropy for every request that returns logprobs."
     )
 
+    # Multi-LoRA serving (docs/lora.md)
+    enable_lora: bool = _arg(
+        False,
+        "Serve LoRA adapters: requests name one with lora_path (an adapter name); requests of "
+        "different adapters and the base model share batches. Single-GPU / CPU only for now.",
+    )
+    lora_paths: list[str] | None = _arg(
+        None,
+        "Adapters loaded at start, each 'name=path', 'path' (named by itself) or upstream's "
+        "JSON '{\"lora_name\": ..., \"lora_path\": ...}'; Engine also takes a dict "
+        "{name: path}. Implies --enable-lora.",
+    )
+    max_loras_per_batch: int = _arg(
+        8, "Adapter slots: the most distinct adapters in one batch (the base model is free)."
+    )
+    max_lora_rank: int | None = _arg(
+        None,
+        "Largest adapter rank the slots hold. Default: the largest rank of --lora-paths, "
+        "else 64.",
+    )
+    lora_target_modules: list[str] | None = _arg(
+        None,
+        "Projections adapters may adapt: q_proj k_proj v_proj o_proj gate_proj up_proj "
+        "down_proj, or 'all'. Default: all.",
+    )
+    max_loaded_loras: int | None = _arg(
+        None, "Most adapters loaded (in host memory) at once; None = no limit."
+    )
+
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("model_path is required")
@@ -298,6 +328,7 @@ class ServerArgs:
             self.chunked_prefill_size = 8192
         if self.custom_weight_loader is None:
             self.custom_weight_loader = []
+        self._resolve_lora()
         self._check()
 
     def _check(self) -> None:
@@ -413,6 +444,33 @@ class ServerArgs:
         ):
             raise ValueError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout!r}")
 
+    def _resolve_lora(self) -> None:
+        """Normalise --lora-paths to ['name=path', ...] and check the LoRA block."""
+        from sglang.srt.lora.adapter import normalize_target_modules
+
+        self.lora_paths = _lora_path_entries(self.lora_paths)
+        if self.lora_paths:
+            self.enable_lora = True
+        if isinstance(self.lora_target_modules, str):
+            self.lora_target_modules = [self.lora_target_modules]
+        if not self.enable_lora:
+            return
+        if self.tp_size > 1 or self.dp_size > 1:
+            raise ValueError("--enable-lora does not support --tp-size or --dp-size > 1 yet")
+        for name in ("max_loras_per_batch", "max_lora_rank", "max_loaded_loras"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value!r}")
+        if self.max_loaded_loras is not None and self.lora_paths and (
+            len(self.lora_paths) > self.max_loaded_loras
+        ):
+            raise ValueError("--lora-paths names more adapters than --max-loaded-loras")
+        normalize_target_modules(self.lora_target_modules)  # ValueError when unknown
+
+    def lora_path_dict(self) -> dict[str, str]:
+        """--lora-paths as {name: path}."""
+        return dict(e.split("=", 1) for e in self.lora_paths or [])
+
     def _check_flags_and_choices(self) -> None:
         """Every on/off field is a bool and every field with choices holds one of them (or
         None): the command line guarantees both, keyword arguments (Engine) do not."""
@@ -499,6 +557,35 @@ def _scalar_type(hint: Any) -> type:
     if get_origin(hint) is Literal:
         return type(get_args(hint)[0])
     return hint
+
+
+def _lora_path_entries(value: Any) -> list[str] | None:
+    """--lora-paths in any of upstream's forms -> ['name=path', ...] (names unique)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, dict):
+        value = [{"lora_name": k, "lora_path": v} for k, v in value.items()]
+    entries: dict[str, str] = {}
+    for item in value:
+        if isinstance(item, str) and item.lstrip().startswith("{"):
+            try:
+                item = json.loads(item)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--lora-paths entry {item!r} is not valid JSON: {e}") from e
+        if isinstance(item, dict):
+            name, path = item.get("lora_name"), item.get("lora_path")
+        elif isinstance(item, str):
+            name, _, path = item.partition("=") if "=" in item else (item, "", item)
+        else:
+            name = path = None
+        if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+            raise ValueError(f"--lora-paths entry {item!r} is not 'name=path' or 'path'")
+        if name in entries:
+            raise ValueError(f"--lora-paths names adapter {name!r} twice")
+        entries[name] = path
+    return [f"{k}={v}" for k, v in entries.items()]
 
 
 def _default_device() -> str:

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterator
 from multiprocessing import connection as mp_connection
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglang.srt.entrypoints import engine_weights, replies
 from sglang.srt.managers.detokenizer_manager import (
@@ -40,13 +40,18 @@ from sglang.srt.managers.detokenizer_manager import (
     run_detokenizer_process,
 )
 from sglang.srt.managers.io_struct import (
+    ContinueGenerationReqInput,
     FlushCacheReqOutput,
     GenerateReqInput,
+    LoadLoRAAdapterFromTensorsReqInput,
+    LoadLoRAAdapterReqInput,
+    LoRAUpdateOutput,
     PauseGenerationReqInput,
     ReleaseMemoryOccupationReqInput,
     ReleaseMemoryOccupationReqOutput,
     ResumeMemoryOccupationReqInput,
     ResumeMemoryOccupationReqOutput,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightVersionReqInput,
 )
@@ -54,6 +59,9 @@ from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.server_args_upstream import server_args_from_kwargs
 from sglang.srt.utils import kill_process_tree
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -459,14 +467,17 @@ class Engine:
         return_text_in_logprobs: bool = False,
         entropy_mode: str | list[str | None] | None = None,
         entropy_top_k: int | list[int | None] | None = None,
+        lora_path: str | list[str | None] | None = None,
         **upstream_kwargs: Any,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (-> dict) or a batch (-> list); ``stream`` -> iterator.
 
         Stream items carry the cumulative text and ids (a batch's items also an "index").
         Leaving a stream early aborts its request(s). Upstream SGLang's other arguments
-        (``image_data``, ``lora_path``, ``token_ids_logprob``, ...) are accepted when unset
+        (``image_data``, ``token_ids_logprob``, ...) are accepted when unset
         (None / False) and refused with ValueError when set: this engine lacks those features.
+        ``lora_path``: the LoRA adapter name (one per prompt for a batch; None: the base
+        model; docs/lora.md); one that is not loaded is a ValueError.
         """
         obj = _make_request(locals())
         if stream:
@@ -496,6 +507,7 @@ class Engine:
         return_text_in_logprobs: bool = False,
         entropy_mode: str | list[str | None] | None = None,
         entropy_top_k: int | list[int | None] | None = None,
+        lora_path: str | list[str | None] | None = None,
         **upstream_kwargs: Any,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """Like :meth:`generate`, awaited in the caller's loop; ``stream`` -> async iterator."""
@@ -539,11 +551,18 @@ class Engine:
         return await self._bridge(self._manager().flush_cache())
 
     def abort_request(
-        self, rid: str | None = None, abort_all: bool = False, match_prefix: bool = False
+        self,
+        rid: str | None = None,
+        abort_all: bool = False,
+        match_prefix: bool = False,
+        lora_name: str | None = None,
     ) -> int:
-        """Abort ``rid`` (exact; every rid starting with it when ``match_prefix``) or
-        everything; returns once the abort took effect, with the number of requests ended.
-        Each aborted caller gets its partial output with finish_reason type "abort"."""
+        """Abort ``rid`` (exact; every rid starting with it when ``match_prefix``), every
+        request of LoRA adapter ``lora_name``, or everything; returns once the abort took
+        effect, with the number of requests ended. Each aborted caller gets its partial output
+        with finish_reason type "abort"."""
+        if lora_name is not None:
+            return self._run(self._manager().abort_lora_requests(lora_name))
         return self._run(self._manager().abort_request_async(rid or "", abort_all, match_prefix))
 
     async def async_abort_request(
@@ -554,28 +573,105 @@ class Engine:
         )
 
     def pause_generation(
-        self, mode: str = "retract", clear_cache: bool = False, timeout_s: float | None = None
+        self,
+        mode: str = "retract",
+        clear_cache: bool = False,
+        timeout_s: float | None = None,
+        lora_name: str | None = None,
     ) -> dict[str, Any]:
         """Pause generation (modes: abort, retract, in_place; vLLM's keep and wait).
 
         Returns once paused, with what it did (``num_running``, ``num_retracted``,
         ``num_aborted``, ``num_waiting``). ``timeout_s`` is a lease after which the engine
         continues by itself (for ``wait``: how long to wait for running requests). Raises
-        ValueError for an unknown mode (the state is unchanged).
+        ValueError for an unknown mode (the state is unchanged). With ``lora_name`` only
+        that LoRA adapter's requests pause (abort, retract or in_place; docs/lora.md).
         """
-        return self._run(_pause(self._manager(), mode, clear_cache, timeout_s))
+        return self._run(_pause(self._manager(), mode, clear_cache, timeout_s, lora_name))
 
     async def async_pause_generation(
-        self, mode: str = "retract", clear_cache: bool = False, timeout_s: float | None = None
+        self,
+        mode: str = "retract",
+        clear_cache: bool = False,
+        timeout_s: float | None = None,
+        lora_name: str | None = None,
     ) -> dict[str, Any]:
-        return await self._bridge(_pause(self._manager(), mode, clear_cache, timeout_s))
+        return await self._bridge(
+            _pause(self._manager(), mode, clear_cache, timeout_s, lora_name)
+        )
 
-    def continue_generation(self) -> dict[str, Any]:
-        """Resume after a pause; idempotent."""
-        return self._run(_continue(self._manager()))
+    def continue_generation(self, lora_name: str | None = None) -> dict[str, Any]:
+        """Resume after a pause (of the engine, or of adapter ``lora_name``); idempotent."""
+        return self._run(_continue(self._manager(), lora_name))
 
-    async def async_continue_generation(self) -> dict[str, Any]:
-        return await self._bridge(_continue(self._manager()))
+    async def async_continue_generation(self, lora_name: str | None = None) -> dict[str, Any]:
+        return await self._bridge(_continue(self._manager(), lora_name))
+
+    # ---- LoRA adapters (docs/lora.md) -----------------------------------------------------
+    def load_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str,
+        pinned: bool = False,
+        weight_version: str | None = None,
+    ) -> LoRAUpdateOutput:
+        """Load the PEFT adapter at ``lora_path`` as ``lora_name`` (over a paused adapter's
+        name: update its weights). ``.success`` False with ``.error_message`` when refused."""
+        obj = LoadLoRAAdapterReqInput(lora_name, lora_path, pinned, weight_version=weight_version)
+        return self._run(self._manager().load_lora_adapter(obj))
+
+    async def async_load_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str,
+        pinned: bool = False,
+        weight_version: str | None = None,
+    ) -> LoRAUpdateOutput:
+        obj = LoadLoRAAdapterReqInput(lora_name, lora_path, pinned, weight_version=weight_version)
+        return await self._bridge(self._manager().load_lora_adapter(obj))
+
+    def load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        tensors: dict[str, torch.Tensor] | list[tuple[str, torch.Tensor]],
+        config_dict: dict[str, Any],
+        load_format: str | None = None,
+        weight_version: str | None = None,
+    ) -> LoRAUpdateOutput:
+        """Load (or, over a paused adapter's name, update) an adapter from PEFT-named tensors
+        (``...layers.0.self_attn.q_proj.lora_A.weight``, as ``get_peft_model_state_dict``
+        gives them) and its adapter config (adapter_config.json's content), without a
+        checkpoint on disk. Upstream's signature; only the default ``load_format``."""
+        if load_format is not None:
+            raise ValueError(f"load_format {load_format!r} is not supported for LoRA tensors")
+        obj = LoadLoRAAdapterFromTensorsReqInput(
+            lora_name, dict(tensors), dict(config_dict), weight_version
+        )
+        return self._run(self._manager().load_lora_adapter_from_tensors(obj))
+
+    async def async_load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        tensors: dict[str, torch.Tensor] | list[tuple[str, torch.Tensor]],
+        config_dict: dict[str, Any],
+        load_format: str | None = None,
+        weight_version: str | None = None,
+    ) -> LoRAUpdateOutput:
+        if load_format is not None:
+            raise ValueError(f"load_format {load_format!r} is not supported for LoRA tensors")
+        obj = LoadLoRAAdapterFromTensorsReqInput(
+            lora_name, dict(tensors), dict(config_dict), weight_version
+        )
+        return await self._bridge(self._manager().load_lora_adapter_from_tensors(obj))
+
+    def unload_lora_adapter(self, lora_name: str) -> LoRAUpdateOutput:
+        """Unload ``lora_name``; refused while requests of it run or wait."""
+        return self._run(self._manager().unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name)))
+
+    async def async_unload_lora_adapter(self, lora_name: str) -> LoRAUpdateOutput:
+        return await self._bridge(
+            self._manager().unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name))
+        )
 
     # ---- weights (docs/weights.md) -------------------------------------------------------------
     def update_weights_from_disk(
@@ -751,24 +847,32 @@ class Engine:
 
 
 async def _pause(
-    tm: TokenizerManager, mode: str, clear_cache: bool, timeout_s: float | None
+    tm: TokenizerManager,
+    mode: str,
+    clear_cache: bool,
+    timeout_s: float | None,
+    lora_name: str | None = None,
 ) -> dict[str, Any]:
     out = await tm.pause_generation(
-        PauseGenerationReqInput(mode=mode, clear_cache=clear_cache, timeout_s=timeout_s)
+        PauseGenerationReqInput(
+            mode=mode, clear_cache=clear_cache, timeout_s=timeout_s, lora_name=lora_name
+        )
     )
     if not out.success:
         raise ValueError(out.message)
     return replies.pause_reply(out)
 
 
-async def _continue(tm: TokenizerManager) -> dict[str, Any]:
-    return replies.continue_reply(await tm.continue_generation())
+async def _continue(tm: TokenizerManager, lora_name: str | None = None) -> dict[str, Any]:
+    return replies.continue_reply(
+        await tm.continue_generation(ContinueGenerationReqInput(lora_name=lora_name))
+    )
 
 
 # Arguments of upstream SGLang's Engine.generate for features this engine does not have. RL
 # frameworks pass them unset (verl passes image_data=None); a set one is refused.
 _UPSTREAM_ONLY_ARGS = frozenset({
-    "image_data", "audio_data", "video_data", "token_ids_logprob", "lora_path",
+    "image_data", "audio_data", "video_data", "token_ids_logprob",
     "custom_logit_processor", "return_hidden_states", "bootstrap_host", "bootstrap_port",
     "bootstrap_room", "data_parallel_rank", "external_trace_header", "session_params",
     "priority", "return_routed_experts", "routed_dp_rank", "disagg_prefill_dp_rank",
@@ -807,4 +911,5 @@ def _make_request(args: dict[str, Any]) -> GenerateReqInput:
         return_entropy=args["return_entropy"],
         entropy_mode=args["entropy_mode"],
         entropy_top_k=args["entropy_top_k"],
+        lora_path=args.get("lora_path"),
     )

@@ -31,6 +31,7 @@ from sglang.srt.entrypoints.http_guard import (
     HostAllowList,
     add_error_handlers,
 )
+from sglang.srt.entrypoints.http_lora import router as lora_router
 from sglang.srt.entrypoints.http_shutdown import GracefulServer
 from sglang.srt.entrypoints.http_weights import router as weights_router
 from sglang.srt.entrypoints.launch_compat import _GlobalState
@@ -75,7 +76,7 @@ _LOG_TEXT_CHARS = 200
 router = APIRouter()
 # SGLang /generate fields for features this engine does not have (refused when truthy).
 _UNSUPPORTED_GENERATE_FIELDS = frozenset({
-    "image_data", "video_data", "audio_data", "input_embeds", "lora_path", "lora_id",
+    "image_data", "video_data", "audio_data", "input_embeds", "lora_id",
     "custom_logit_processor", "return_hidden_states", "session_params", "token_ids_logprob",
     "return_routed_experts", "bootstrap_host", "bootstrap_room",
 })
@@ -103,6 +104,7 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     return_entropy: bool | list[bool] = False
+    lora_path: str | list[str | None] | None = None  # LoRA adapter name(s) (docs/lora.md)
 
     def to_req_input(self) -> GenerateReqInput:
         """The engine's request. Raises ValueError on an empty prompt or when not exactly one
@@ -126,6 +128,7 @@ class AbortRequestBody(BaseModel):
     rid: str = ""
     abort_all: bool = False
     match_prefix: bool = False  # abort every rid that starts with ``rid``
+    lora_name: str | None = None  # abort every request of this LoRA adapter
 
 
 class PauseGenerationBody(BaseModel):
@@ -136,6 +139,13 @@ class PauseGenerationBody(BaseModel):
     mode: str = "abort"
     clear_cache: bool = False
     timeout_s: float | None = None
+    lora_name: str | None = None  # pause only this LoRA adapter (docs/lora.md)
+
+
+class ContinueGenerationBody(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    lora_name: str | None = None  # continue only this LoRA adapter
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,8 +278,11 @@ async def flush_cache(request: Request) -> Response:
 @router.post("/abort_request")
 async def abort_request(body: AbortRequestBody, request: Request) -> Response:
     """Abort ``rid`` (exact match) or everything; replies once the abort took effect."""
+    if body.lora_name is not None:
+        num = await _tm(request).abort_lora_requests(body.lora_name)  # type: ignore[attr-defined]
+        return json_response(replies.abort_reply(num))
     if not body.rid and not body.abort_all:
-        raise ValueError("give a 'rid' to abort, or 'abort_all': true")
+        raise ValueError("give a 'rid' to abort, 'lora_name', or 'abort_all': true")
     num_aborted = await _tm(request).abort_request_async(
         body.rid, body.abort_all, body.match_prefix
     )
@@ -287,8 +300,11 @@ async def pause_generation(request: Request, body: PauseGenerationBody | None = 
 
 
 @router.post("/continue_generation")
-async def continue_generation(request: Request) -> Response:
-    out = await _tm(request).continue_generation(ContinueGenerationReqInput())
+async def continue_generation(
+    request: Request, body: ContinueGenerationBody | None = None
+) -> Response:
+    lora_name = body.lora_name if body is not None else None
+    out = await _tm(request).continue_generation(ContinueGenerationReqInput(lora_name=lora_name))
     return json_response(replies.continue_reply(out))
 
 
@@ -422,6 +438,7 @@ def _new_app() -> FastAPI:
                   **_fastapi_kwargs())
     app.include_router(router)
     app.include_router(weights_router)
+    app.include_router(lora_router)
     app.include_router(compat_router)
     add_error_handlers(app)
     return app

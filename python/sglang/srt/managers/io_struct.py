@@ -43,6 +43,7 @@ _PER_REQUEST_FIELDS = (
     "return_entropy",
     "entropy_mode",
     "entropy_top_k",
+    "lora_path",
 )
 
 
@@ -70,6 +71,8 @@ class GenerateReqInput:
     # (0 = full vocabulary). None: the server's --entropy-mode / --entropy-top-k.
     entropy_mode: str | list[str | None] | None = None
     entropy_top_k: int | list[int | None] | None = None
+    # The LoRA adapter (its name, as upstream) of each prompt; None: the base model.
+    lora_path: str | list[str | None] | None = None
     log_metrics: bool = True
 
     def __post_init__(self) -> None:
@@ -145,6 +148,7 @@ class GenerateReqInput:
             return_entropy=_entry(self.return_entropy, i),
             entropy_mode=_entry(self.entropy_mode, i),
             entropy_top_k=_entry(self.entropy_top_k, i),
+            lora_path=_entry(self.lora_path, i),
             log_metrics=self.log_metrics,
         )
 
@@ -173,6 +177,7 @@ class TokenizedGenerateReqInput:
     return_entropy: bool = False
     entropy_mode: str | None = None  # None: the server's --entropy-mode
     entropy_top_k: int | None = None  # None: the server's --entropy-top-k
+    lora_path: str | None = None  # LoRA adapter name; None: the base model
 
 
 @dataclass
@@ -252,6 +257,7 @@ class AbortReq:
     finished_reason: dict[str, Any] | None = None
     aborted_message: str | None = None
     match_prefix: bool = False
+    lora_name: str | None = None  # abort every request of this LoRA adapter
     req_id: str = field(default_factory=_new_id)
 
 
@@ -311,6 +317,8 @@ class PauseGenerationReqInput:
     mode: str = "abort"
     clear_cache: bool = False
     timeout_s: float | None = None
+    # Pause only this LoRA adapter's requests (docs/lora.md); None: the whole engine.
+    lora_name: str | None = None
     req_id: str = field(default_factory=_new_id)
 
 
@@ -340,7 +348,17 @@ class PauseStateOutput:
 
 
 @dataclass
+class LoRAPauseStateOutput:
+    """Sent by the scheduler, unsolicited, whenever the set of LoRA adapters paused (or
+    draining) by name changes, before the reply of the call that changed it; the
+    TokenizerManager mirrors it for ``--paused-admission reject`` (docs/lora.md)."""
+
+    paused: list[str]
+
+
+@dataclass
 class ContinueGenerationReqInput:
+    lora_name: str | None = None  # continue only this adapter (paused by name)
     req_id: str = field(default_factory=_new_id)
 
 
@@ -539,3 +557,49 @@ class SchedulerErrorOutput:
     """The scheduler died; every pending caller gets this message as an error."""
 
     message: str
+
+
+# ---- LoRA adapters (docs/lora.md) -----------------------------------------------------------
+@dataclass
+class LoadLoRAAdapterReqInput:
+    """Load the PEFT adapter at ``lora_path`` under ``lora_name`` (upstream's fields). Over a
+    loaded name it is a weight update of that adapter: refused while requests of the adapter
+    hold KV, unless the adapter is paused (docs/lora.md). ``weight_version`` labels its
+    weights (default: the count of loads of that name)."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False  # upstream's; every adapter here stays loaded until unloaded
+    lora_id: str | None = None
+    weight_version: str | None = None
+    req_id: str = field(default_factory=_new_id)
+
+
+@dataclass
+class LoadLoRAAdapterFromTensorsReqInput:
+    """Load an adapter pushed in-process: PEFT-named ``tensors`` (``...q_proj.lora_A.weight``)
+    and its ``config_dict`` (adapter_config.json's content). Same rules as
+    :class:`LoadLoRAAdapterReqInput`."""
+
+    lora_name: str
+    tensors: dict[str, Any]
+    config_dict: dict[str, Any]
+    weight_version: str | None = None
+    req_id: str = field(default_factory=_new_id)
+
+
+@dataclass
+class UnloadLoRAAdapterReqInput:
+    lora_name: str
+    lora_id: str | None = None
+    req_id: str = field(default_factory=_new_id)
+
+
+@dataclass
+class LoRAUpdateOutput:
+    """Reply of a load / unload (upstream's ``LoRAUpdateResult`` fields)."""
+
+    success: bool
+    error_message: str = ""
+    loaded_adapters: dict[str, str] = field(default_factory=dict)  # name -> path
+    req_id: str = ""

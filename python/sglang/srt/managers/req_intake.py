@@ -33,6 +33,7 @@ def make_req(recv: TokenizedGenerateReqInput, model_config: ModelConfig, random_
         return_entropy=recv.return_entropy,
         entropy_mode=recv.entropy_mode,
         entropy_top_k=recv.entropy_top_k,
+        lora_name=recv.lora_path,
     )
 
 

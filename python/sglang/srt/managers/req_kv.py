@@ -14,10 +14,20 @@ Weight updates bump ``weights.generation`` (a shared :class:`WeightState`). A re
 the generation under which its KV started (``req.kv_generation``, set when it is admitted); KV
 that began under older weights is never inserted into the prefix cache, so no later request can
 match it.
+
+LoRA: the cache never shares KV across adapters. A request's key is its token ids shifted into
+the namespace of the adapter weights it runs with (``lora_uid``, fresh per adapter load; 0 =
+the base model, whose keys are the plain ids)::
+
+    key[i] = token_ids[i] + lora_uid * 2**32
+
+so keys of different adapters (or of one adapter before and after a reload) differ from their
+first token on and never meet in the tree; the stale ones age out by LRU eviction.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,6 +49,8 @@ class ReqKV:
     tree_cache: BasePrefixCache
     page_size: int
     weights: WeightState = field(default_factory=WeightState)  # shared with the WeightUpdater
+    # LoRA adapter name -> prefix-cache namespace of its current weights (see module docstring)
+    lora_uid: Callable[[str | None], int] = lambda name: 0
 
     def available_tokens(self) -> int:
         """Tokens that can be allocated now, counting what eviction would free."""
@@ -50,7 +62,9 @@ class ReqKV:
         Precondition: the request holds no KV (fresh or released). Sets ``prefix_indices``,
         ``prefix_len``, ``kv_len`` and ``cache_handle``.
         """
-        match = self.tree_cache.match_prefix(req.fill_ids[:max_prefix_len])
+        req.lora_uid = self.lora_uid(req.lora_name)
+        key = cache_key(req.fill_ids[:max_prefix_len], req.lora_uid)
+        match = self.tree_cache.match_prefix(key)
         self.tree_cache.lock(match.handle)
         req.cache_handle = match.handle
         req.prefix_indices = match.device_indices
@@ -113,7 +127,7 @@ class ReqKV:
             self.allocator.free(kv[req.prefix_len :])
         else:
             aligned = req.kv_len // self.page_size * self.page_size
-            token_ids = (req.origin_input_ids + req.output_ids)[:aligned]
+            token_ids = cache_key((req.origin_input_ids + req.output_ids)[:aligned], req.lora_uid)
             num_cached = self.tree_cache.insert(token_ids, kv[:aligned])
             if num_cached > req.prefix_len:  # computed twice: another request cached them first
                 self.allocator.free(kv[req.prefix_len : num_cached])
@@ -125,3 +139,14 @@ class ReqKV:
         req.cache_handle = None
         req.prefix_indices = None
         req.prefix_len = req.kv_len = 0
+
+
+_NAMESPACE_STRIDE = 1 << 32  # above any vocabulary size
+
+
+def cache_key(token_ids: list[int], lora_uid: int) -> list[int]:
+    """The prefix-cache key of ``token_ids`` under adapter namespace ``lora_uid``."""
+    if not lora_uid:
+        return token_ids
+    shift = lora_uid * _NAMESPACE_STRIDE
+    return [t + shift for t in token_ids]

@@ -146,6 +146,7 @@ def validate_request(
         or (limits.entropy_with_logprobs and bool(obj.return_logprob)),
         entropy_mode=entropy_mode,
         entropy_top_k=entropy_top_k,
+        lora_path=_one(obj.lora_path, "lora_path", (str, type(None))),
     )
 
 
@@ -169,6 +170,9 @@ def _check_logprob_args(
         )
     if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= vocab_size:
         raise ValueError(f"top_logprobs_num must be in [0, {vocab_size}], got {top_logprobs_num!r}")
+
+
+_MAX_LORA_NAME_LEN = 256
 
 
 def check_generate_input(obj: GenerateReqInput, limits: RequestLimits) -> None:
@@ -218,10 +222,15 @@ def check_generate_input(obj: GenerateReqInput, limits: RequestLimits) -> None:
         if value is not None:
             check_int(param, value, 0, limits.vocab_size)
 
+    def lora_path(param: str, value: Any) -> None:
+        if value is not None:  # an adapter name (docs/lora.md)
+            check_str(param, value, _MAX_LORA_NAME_LEN, 1)
+
     checks: tuple[tuple[str, Callable[[str, Any], None]], ...] = (
         ("return_logprob", check_bool), ("return_entropy", check_bool),
         ("logprob_start_len", start_len), ("top_logprobs_num", top_num),
         ("entropy_mode", entropy_mode), ("entropy_top_k", entropy_top_k),
+        ("lora_path", lora_path),
     )
     for name, check in checks:
         _check_per_request(name, getattr(obj, name), num_prompts, is_batch, check)

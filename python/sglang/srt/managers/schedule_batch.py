@@ -69,8 +69,13 @@ class Req:
         return_entropy: bool = False,
         entropy_mode: str | None = None,
         entropy_top_k: int | None = None,
+        lora_name: str | None = None,
     ) -> None:
         self.rid = rid
+        # The LoRA adapter (None: the base model), and the prefix-cache namespace of the
+        # adapter weights its KV was computed with (set when it takes KV; 0 = base).
+        self.lora_name = lora_name
+        self.lora_uid = 0
         self.origin_input_ids = origin_input_ids
         self.sampling_params = sampling_params
         self.sampling_seed = sampling_seed
@@ -309,6 +314,7 @@ class ScheduleBatch:
             input_logprob_rows=rows_t,
             input_logprob_targets=targets_t,
             input_top_logprobs_num=top_k,
+            lora_names=self._lora_names(),
         )
 
     def _input_logprob_rows(
@@ -363,6 +369,7 @@ class ScheduleBatch:
             extend_seq_lens_cpu=[1] * len(self.reqs),
             extend_prefix_lens_cpu=kv_lens,
             req_to_token_pool=self.kv.req_to_token_pool,
+            lora_names=self._lora_names(),
         )
 
     def decode_tokens_needed(self, reqs: list[Req] | None = None) -> int:
@@ -415,6 +422,10 @@ class ScheduleBatch:
             assert r.req_pool_idx is not None, f"{r} in a prepared batch has no pool row"
             rows.append(r.req_pool_idx)
         return rows
+
+    def _lora_names(self) -> list[str | None] | None:
+        names = [r.lora_name for r in self.reqs]
+        return names if any(n is not None for n in names) else None
 
     def _pool_indices(self) -> torch.Tensor:
         return torch.tensor(self._rows(), dtype=torch.int64, device=self.device)

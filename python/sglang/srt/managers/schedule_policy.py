@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sglang.srt.managers.req_kv import ReqKV
+from sglang.srt.managers.req_kv import ReqKV, cache_key
 from sglang.srt.managers.schedule_batch import Req
 
 # Output tokens a running request is assumed to still need at most, when reserving KV for it.
@@ -20,7 +20,7 @@ def sort_waiting_queue(queue: list[Req], policy: str, kv: ReqKV) -> None:
         return
     lengths = {}
     for r in queue:
-        ids = r.origin_input_ids + r.output_ids
+        ids = cache_key(r.origin_input_ids + r.output_ids, kv.lora_uid(r.lora_name))
         lengths[id(r)] = int(kv.tree_cache.match_prefix(ids[: len(ids) - 1]).device_indices.numel())
     queue.sort(key=lambda r: -lengths[id(r)])
 

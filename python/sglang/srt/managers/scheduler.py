@@ -22,6 +22,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.lora.control import LoRAControl
+from sglang.srt.lora.scheduling import admissible, unpaused
 from sglang.srt.managers.control_hooks import SchedulerHooks
 from sglang.srt.managers.io_struct import (
     AbortReq,
@@ -34,12 +36,15 @@ from sglang.srt.managers.io_struct import (
     GetInternalStateReq,
     GetInternalStateReqOutput,
     GetWeightsByNameReqInput,
+    LoadLoRAAdapterFromTensorsReqInput,
+    LoadLoRAAdapterReqInput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     PauseStateOutput,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromTensorReqInput,
     UpdateWeightVersionReqInput,
@@ -118,9 +123,18 @@ class Scheduler:
         self.debug_checks = server_args.log_level == "debug"
         self._was_busy = False
 
+        # LoRA (docs/lora.md): the worker's adapter registry and the adapter-scoped control.
+        self.lora = getattr(worker, "lora_manager", None)
+        self.lora_ctl = LoRAControl(self, self.lora)
+        if self.lora is not None:
+            kv.lora_uid = self.lora.uid
         weight_state = kv.weights
         self.output = OutputProcessor(
-            weight_state, tokenizer, send_output, server_args.stream_interval
+            weight_state,
+            tokenizer,
+            send_output,
+            server_args.stream_interval,
+            version_of=self.lora_ctl.version_of,
         )
         hooks = SchedulerHooks(
             abort_all=lambda message: self.abort_matching(lambda rid: True, message),
@@ -154,6 +168,9 @@ class Scheduler:
                 (UpdateWeightVersionReqInput, self.weights.update_weight_version),
                 (ReleaseMemoryOccupationReqInput, self.memory.release),
                 (ResumeMemoryOccupationReqInput, self.memory.resume),
+                (LoadLoRAAdapterReqInput, self.lora_ctl.handle_load),
+                (LoadLoRAAdapterFromTensorsReqInput, self.lora_ctl.handle_load),
+                (UnloadLoRAAdapterReqInput, self.lora_ctl.handle_unload),
             ]
         )
 
@@ -173,6 +190,7 @@ class Scheduler:
         :meth:`has_runnable_work` says whether another turn has work."""
         self.num_loop_turns += 1
         self.check_pause()
+        self.lora_ctl.check_drains()
         batch = self.get_next_batch_to_run()
         self.cur_batch = batch
         if batch is None:
@@ -193,11 +211,17 @@ class Scheduler:
     def has_runnable_work(self) -> bool:
         """Whether the next turn has something to do (the shell then does not block on input):
         a step to run, or a drained ``wait`` pause to answer."""
-        if self.pause.pending is not None and not self.num_kv_holders():
+        if self.pause.pending is not None and not self.num_draining():
+            return True
+        if self.lora_ctl.has_drain_to_answer():
             return True
         if not self.pause.allows_forward() or self.memory.blocks_forward():
             return False
-        return bool(self.waiting_queue or self.chunked_req or not self.running_batch.is_empty())
+        return bool(
+            unpaused(self.waiting_queue, self.lora_ctl.no_admission())
+            or self.chunked_req
+            or unpaused(self.running_batch.reqs, self.lora_ctl.no_decode())
+        )
 
     def reply(self, msg: Any) -> None:
         if msg is not None:
@@ -236,6 +260,10 @@ class Scheduler:
         if self.chunked_req is None and (not waiting or num_running >= self.max_running_requests):
             return None
         sort_waiting_queue(self.waiting_queue, self.server_args.schedule_policy, self.kv)
+        if waiting and self.lora is not None:
+            blocked = self.lora_ctl.no_admission()
+            limit = self.server_args.max_loras_per_batch
+            waiting = admissible(waiting, self.kv_holders(), blocked, limit)
         chunk = self.server_args.chunked_prefill_size
         adder = PrefillAdder(
             kv=self.kv,
@@ -270,7 +298,9 @@ class Scheduler:
 
     def update_running_batch(self) -> ScheduleBatch | None:
         """Prepare a decode step, retracting requests when the KV pool cannot hold it."""
-        batch = self.running_batch
+        batch = self._decode_batch()
+        if batch.is_empty():
+            return None
         needed = batch.decode_tokens_needed()
         if not self.kv.ensure_free(needed) and self.chunked_req is not None:
             # A chunked prefill holds KV that running requests need: it yields first.
@@ -281,6 +311,9 @@ class Scheduler:
             retracted = batch.select_retractions(needed, self.retract)
             logger.warning("KV cache full: retracted %d request(s)", len(retracted))
             self.waiting_queue = retracted + self.waiting_queue
+            if batch is not self.running_batch:
+                gone = {id(r) for r in retracted}
+                self.running_batch.filter([r for r in self.running_batch.reqs if id(r) not in gone])
             self.new_token_ratio = min(1.0, self.new_token_ratio + _RETRACT_RATIO_BUMP)
         batch.forward_batch = batch.prepare_for_decode()
         if batch.forward_batch is None:
@@ -294,6 +327,12 @@ class Scheduler:
             - (self.init_new_token_ratio - self.min_new_token_ratio) / _NEW_TOKEN_RATIO_DECAY_STEPS,
         )
         return batch
+
+    def _decode_batch(self) -> ScheduleBatch:
+        """The running batch, or (while an adapter is paused in place) a batch of its other
+        requests: the paused ones keep their place and KV but decode nothing."""
+        reqs = unpaused(self.running_batch.reqs, self.lora_ctl.no_decode())
+        return self.running_batch if reqs is self.running_batch.reqs else self._new_batch(reqs)
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.kv, self.model_config.vocab_size, self.server_args.device)
@@ -358,23 +397,40 @@ class Scheduler:
             req.status = ReqStatus.PAUSED
 
     def unpause(self) -> None:
-        """PAUSED -> RUNNING (PREFILLING for the chunked request)."""
+        """PAUSED -> RUNNING (PREFILLING for the chunked request); requests of an adapter
+        paused by name stay PAUSED."""
         for req in self.running_batch.reqs:
-            req.status = ReqStatus.RUNNING
+            paused = req.lora_name in self.lora_ctl.paused
+            req.status = ReqStatus.PAUSED if paused else ReqStatus.RUNNING
         if self.chunked_req is not None:
             self.chunked_req.status = ReqStatus.PREFILLING
 
-    def retract_all(self) -> int:
-        """Move the running batch and the chunked request back to the waiting queue, in order."""
-        retracted = list(self.running_batch.reqs)
-        self.running_batch.filter([])
-        if self.chunked_req is not None:
-            retracted.append(self.chunked_req)
+    def retract_where(self, pred: Callable[[Req], bool], running: bool = True) -> int:
+        """Move the chunked request, and (``running``) the running requests, that ``pred``
+        selects back to the front of the waiting queue, in order, releasing their KV."""
+        chunked = self.chunked_req
+        retracted = [r for r in self.running_batch.reqs if pred(r)] if running else []
+        gone = {id(r) for r in retracted}
+        self.running_batch.filter([r for r in self.running_batch.reqs if id(r) not in gone])
+        if chunked is not None and pred(chunked):
+            retracted.append(chunked)
             self.chunked_req = None
         for req in retracted:
             self.retract(req)
         self.waiting_queue = retracted + self.waiting_queue
         return len(retracted)
+
+    def set_paused(self, pred: Callable[[Req], bool], paused: bool) -> None:
+        """RUNNING <-> PAUSED for the running requests ``pred`` selects (an adapter paused in
+        place; they keep their KV). Requests stay PAUSED while the engine itself is paused."""
+        status = ReqStatus.PAUSED if paused or self.pause.paused else ReqStatus.RUNNING
+        for req in self.running_batch.reqs:
+            if pred(req):
+                req.status = status
+
+    def retract_all(self) -> int:
+        """Move the running batch and the chunked request back to the waiting queue, in order."""
+        return self.retract_where(lambda req: True)
 
     def _invalidate_cache(self) -> None:
         self.tree_cache.invalidate()
@@ -386,6 +442,14 @@ class Scheduler:
 
     def num_kv_holders(self) -> int:
         return len(self.running_batch) + (self.chunked_req is not None)
+
+    def num_draining(self) -> int:
+        """KV holders a ``wait`` pause waits for: not those of an adapter paused in place
+        (they would never finish)."""
+        blocked = self.lora_ctl.no_decode()
+        if not blocked:
+            return self.num_kv_holders()
+        return len(unpaused(self.kv_holders(), blocked))
 
     def num_alive(self) -> int:
         return self.num_kv_holders() + len(self.waiting_queue)
@@ -405,6 +469,9 @@ class Scheduler:
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
         req = make_req(recv, self.model_config, self.server_args.random_seed)
         reason = refusal(req, self.max_req_input_len, self.max_total_num_tokens)
+        name = req.lora_name
+        if name is not None and not self.lora_ctl.is_loaded(name):
+            reason = f"LoRA adapter {name!r} is not loaded"
         if reason is not None:
             self.finish([req], {"type": "abort", "message": reason})
             return
@@ -412,6 +479,10 @@ class Scheduler:
 
     def handle_abort(self, recv: AbortReq) -> AbortReqOutput:
         """Abort by exact rid, rid prefix (when asked) or all; each gets its final output now."""
+        if recv.lora_name is not None:
+            name = recv.lora_name
+            num = self.abort_where(lambda r: r.lora_name == name, recv.aborted_message or "")
+            return AbortReqOutput(req_id=recv.req_id, num_aborted=num)
         if recv.abort_all:
             matches: Callable[[str], bool] = lambda rid: True
         elif recv.match_prefix:
@@ -423,9 +494,13 @@ class Scheduler:
 
     def abort_matching(self, matches: Callable[[str], bool], message: str) -> int:
         """Finish every matching request (waiting, chunked or running) with type "abort"."""
+        return self.abort_where(lambda r: matches(r.rid), message)
+
+    def abort_where(self, pred: Callable[[Req], bool], message: str) -> int:
+        """Finish every request (waiting, chunked or running) ``pred`` selects, as aborted."""
         everyone = self.waiting_queue + self.kv_holders()
-        aborted = [r for r in everyone if matches(r.rid)]
-        self.finish(aborted, {"type": "abort", "message": message})
+        aborted = [r for r in everyone if pred(r)]
+        self.finish(aborted, {"type": "abort", "message": message or "Request aborted"})
         return len(aborted)
 
     def handle_flush_cache(self, recv: FlushCacheReqInput) -> FlushCacheReqOutput:
@@ -456,6 +531,8 @@ class Scheduler:
     # ---- pause / continue (the PauseState machine) ------------------------------------------
     def handle_pause(self, recv: PauseGenerationReqInput) -> PauseGenerationReqOutput | None:
         """Pause per DESIGN §5. A ``wait`` pause is answered later, once drained."""
+        if recv.lora_name is not None:
+            return self.lora_ctl.pause(recv)
         try:
             mode, flush = resolve_pause_mode(recv.mode, recv.clear_cache)
             if recv.timeout_s is not None and not recv.timeout_s > 0:
@@ -467,7 +544,7 @@ class Scheduler:
         self.pause.start(recv, mode, flush)
         self.reply(PauseStateOutput(paused=True, mode=mode))
         if mode == "wait":
-            return self.end_drain(retract=False) if not self.num_kv_holders() else None
+            return self.end_drain(retract=False) if not self.num_draining() else None
         return self.apply_pause(recv.req_id, mode, flush)
 
     def apply_pause(self, req_id: str, mode: str, flush: bool) -> PauseGenerationReqOutput:
@@ -498,8 +575,8 @@ class Scheduler:
     def check_pause(self) -> None:
         """Each loop turn: end a finished or timed-out drain; honour an expired lease."""
         if self.pause.pending is not None:
-            if not self.num_kv_holders() or self.pause.drain_expired():
-                self.reply(self.end_drain(retract=self.num_kv_holders() > 0))
+            if not self.num_draining() or self.pause.drain_expired():
+                self.reply(self.end_drain(retract=self.num_draining() > 0))
         elif self.pause.lease_expired():
             logger.warning("Pause lease expired after the trainer's timeout; continuing")
             self.resume_generation()
@@ -510,6 +587,8 @@ class Scheduler:
         self.reply(PauseStateOutput(paused=False))
 
     def handle_continue(self, recv: ContinueGenerationReqInput) -> ContinueGenerationReqOutput:
+        if recv.lora_name is not None:
+            return self.lora_ctl.cont(recv)
         was_paused = self.pause.paused
         if self.pause.pending is not None:
             self.reply(self.end_drain(retract=False))
@@ -548,4 +627,5 @@ class Scheduler:
             "memory_released_tags": sorted(self.memory.released),
             "max_running_requests": self.max_running_requests,
             "tp_size": self.server_args.tp_size,
+            **self.lora_ctl.internal_state(),
         }

@@ -27,8 +27,11 @@ class OutputProcessor:
         tokenizer: Any,
         send: Callable[[BatchTokenIDOutput], None],
         stream_interval: int,
+        version_of: Callable[[Req], str | None] | None = None,
     ) -> None:
         self.weights = weights  # read only: the label of the weights computing each new token
+        # A request's own weight label when it has one (a LoRA adapter's), else None.
+        self.version_of = version_of
         self.tokenizer = tokenizer
         self.send = send
         self.stream_interval = stream_interval
@@ -63,7 +66,9 @@ class OutputProcessor:
 
     def _append_token(self, req: Req, result: GenerationBatchResult, i: int) -> None:
         req.output_ids.append(result.next_token_ids[i])
-        _extend_version_spans(req.weight_version_spans, self.weights.version, len(req.output_ids))
+        own = self.version_of(req) if self.version_of is not None else None
+        version = self.weights.version if own is None else own
+        _extend_version_spans(req.weight_version_spans, version, len(req.output_ids))
         if req.return_logprob:
             req.output_token_logprobs_val.append(_asked(result.next_token_logprobs)[i])
             req.output_token_logprobs_idx.append(result.next_token_ids[i])

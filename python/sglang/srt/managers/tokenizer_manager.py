@@ -43,6 +43,10 @@ from sglang.srt.managers.io_struct import (
     GetWeightsByNameReqInput,
     GetWeightsByNameReqOutput,
     InitWeightsUpdateGroupReqInput,
+    LoadLoRAAdapterFromTensorsReqInput,
+    LoadLoRAAdapterReqInput,
+    LoRAPauseStateOutput,
+    LoRAUpdateOutput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     PauseStateOutput,
@@ -52,6 +56,7 @@ from sglang.srt.managers.io_struct import (
     ResumeMemoryOccupationReqOutput,
     SchedulerErrorOutput,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
     UpdateWeightsFromDistributedReqInput,
@@ -126,6 +131,9 @@ class TokenizerManager:
         self.vocab_size: int = scheduler_info["vocab_size"]
         self.max_req_input_len: int = scheduler_info["max_req_input_len"]
         self.limits = RequestLimits.from_server_args(server_args, scheduler_info)
+        # Loaded LoRA adapters (name -> path), mirrored from the scheduler's load replies:
+        # a request naming another adapter is refused here (docs/lora.md).
+        self.lora_adapters: dict[str, str] = server_args.lora_path_dict()
         self.tokenizer = (
             None
             if server_args.skip_tokenizer_init
@@ -139,6 +147,7 @@ class TokenizerManager:
         # The scheduler's pause state as its last PauseStateOutput said (it owns the state and
         # its lease; this is a mirror for admission with --paused-admission reject).
         self._scheduler_paused = False
+        self._paused_loras: set[str] = set()  # adapters paused by name, as last reported
         # Whether the scheduler's KV cache or weights are released (nothing decodes then).
         self.memory_released = False
         self.weights_update_groups = WeightsUpdateGroups()
@@ -161,6 +170,8 @@ class TokenizerManager:
                 (UpdateWeightVersionReqOutput, self._handle_control_output),
                 (ReleaseMemoryOccupationReqOutput, self._handle_control_output),
                 (ResumeMemoryOccupationReqOutput, self._handle_control_output),
+                (LoRAUpdateOutput, self._handle_control_output),
+                (LoRAPauseStateOutput, self._handle_lora_pause_state),
                 (PauseStateOutput, self._handle_pause_state),
                 (SchedulerErrorOutput, self._handle_scheduler_error),
             ]
@@ -227,6 +238,7 @@ class TokenizerManager:
         self.start()
         if self.server_args.paused_admission == "reject" and self.is_paused:
             raise EnginePausedError("Generation is paused; retry after continue_generation")
+        self._check_lora_admission(obj)
         check_generate_input(obj, self.limits)
         obj.normalize_batch_and_arguments()
         text_ids = await tokenize_texts(self.tokenizer, obj)
@@ -267,6 +279,7 @@ class TokenizerManager:
         parents: list[str | None] = []
         for single, input_ids in zip(singles, all_ids):
             req = validate_request(single, list(input_ids), self.limits)
+            self._check_lora(req.lora_path)
             n = req.sampling_params.n
             if n == 1:
                 reqs.append(req)
@@ -392,6 +405,59 @@ class TokenizerManager:
             self._abort_targets[req.req_id] = target_states
             reqs.append(req)
         return reqs
+
+    # ---- LoRA adapters (docs/lora.md) --------------------------------------------------------
+    def _check_lora(self, name: str | None) -> None:
+        if name is None:
+            return
+        if not self.server_args.enable_lora:
+            raise ValueError(f"lora_path {name!r}: LoRA is not enabled (start with --enable-lora)")
+        if name not in self.lora_adapters:
+            known = ", ".join(sorted(self.lora_adapters)) or "none"
+            raise ValueError(f"LoRA adapter {name!r} is not loaded (loaded: {known})")
+
+    def _check_lora_admission(self, obj: GenerateReqInput) -> None:
+        """--paused-admission reject: a request of an adapter paused by name gets 503."""
+        if self.server_args.paused_admission != "reject" or not self._paused_loras:
+            return
+        names = obj.lora_path if isinstance(obj.lora_path, list) else [obj.lora_path]
+        paused = sorted(self._paused_loras.intersection(n for n in names if n is not None))
+        if paused:
+            raise EnginePausedError(
+                f"LoRA adapter {paused[0]!r} is paused; retry after continue_generation"
+            )
+
+    async def load_lora_adapter(
+        self, obj: LoadLoRAAdapterReqInput, request: fastapi.Request | None = None
+    ) -> LoRAUpdateOutput:
+        """Load (or, over a paused adapter's name, update) an adapter; a refusal changes
+        nothing and comes back as ``success=False``."""
+        out: LoRAUpdateOutput = await self._control(obj)
+        if out.success:
+            self.lora_adapters = dict(out.loaded_adapters)
+        return out
+
+    async def load_lora_adapter_from_tensors(
+        self, obj: LoadLoRAAdapterFromTensorsReqInput, request: fastapi.Request | None = None
+    ) -> LoRAUpdateOutput:
+        """Load (or update) an adapter from PEFT-named tensors pushed in-process."""
+        out: LoRAUpdateOutput = await self._control(obj)
+        if out.success:
+            self.lora_adapters = dict(out.loaded_adapters)
+        return out
+
+    async def unload_lora_adapter(
+        self, obj: UnloadLoRAAdapterReqInput, request: fastapi.Request | None = None
+    ) -> LoRAUpdateOutput:
+        out: LoRAUpdateOutput = await self._control(obj)
+        if out.success:
+            self.lora_adapters = dict(out.loaded_adapters)
+        return out
+
+    async def abort_lora_requests(self, lora_name: str) -> int:
+        """Abort every request of adapter ``lora_name``; returns how many ended."""
+        out = await self._control(AbortReq(lora_name=lora_name))
+        return int(out.num_aborted)
 
     async def pause_generation(self, obj: PauseGenerationReqInput) -> PauseGenerationReqOutput:
         """Pause the scheduler (DESIGN §5); returns once the pause took effect.
@@ -653,6 +719,9 @@ class TokenizerManager:
 
     def _handle_pause_state(self, msg: PauseStateOutput) -> None:
         self._scheduler_paused = msg.paused
+
+    def _handle_lora_pause_state(self, msg: LoRAPauseStateOutput) -> None:
+        self._paused_loras = set(msg.paused)
 
     def _handle_scheduler_error(self, msg: SchedulerErrorOutput) -> None:
         self._fail_all(f"scheduler died: {msg.message}")

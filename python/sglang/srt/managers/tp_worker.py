@@ -8,6 +8,7 @@ import torch
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.sampler import Sampler
+from sglang.srt.lora.lora_manager import LoRAManager
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
@@ -44,6 +45,10 @@ class ModelWorker(Protocol):
 class TpModelWorker:
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig) -> None:
         self.model_runner = ModelRunner(server_args, model_config)
+        # LoRA adapters (docs/lora.md): hooks on the model's projections, slots, registry.
+        self.lora_manager: LoRAManager | None = None
+        if server_args.enable_lora:
+            self.lora_manager = LoRAManager(self.model_runner.model, server_args)
         self.sampler = Sampler(
             server_args.sampling_backend, server_args.entropy_mode, server_args.entropy_top_k
         )
@@ -56,7 +61,14 @@ class TpModelWorker:
         top_logprobs_nums: list[int] | None,
     ) -> GenerationBatchResult:
         """Run the model on ``forward_batch`` and sample one token per request."""
-        logits_output = self.model_runner.forward(forward_batch)
+        if self.lora_manager is None:
+            logits_output = self.model_runner.forward(forward_batch)
+        else:
+            self.lora_manager.prepare_batch(forward_batch)
+            try:
+                logits_output = self.model_runner.forward(forward_batch)
+            finally:
+                self.lora_manager.finish_batch()
         with torch.inference_mode():
             logits = logits_output.next_token_logits
             sampling_info.apply_logits_processors(logits)

@@ -50,6 +50,9 @@ class ForwardBatch:
     input_logprob_rows: torch.Tensor | None = None  # [R] int64 indices into input_ids
     input_logprob_targets: torch.Tensor | None = None  # [R] int64 token predicted at each row
     input_top_logprobs_num: int = 0  # max top_logprobs_num over requests with prompt logprobs
+    # [B] the LoRA adapter of each request (None: the base model); None when no request of
+    # the batch uses one. The LoRAManager maps them to slots (sglang.srt.lora).
+    lora_names: list[str | None] | None = None
     # Set by the attention backend's init_forward_metadata(); opaque to everyone else.
     attn_metadata: Any = None
     attn_backend: AttentionBackend | None = None

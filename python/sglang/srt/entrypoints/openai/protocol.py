@@ -76,6 +76,8 @@ class SamplingExtras(BaseModel):
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     return_entropy: bool = False
+    # LoRA adapter name (docs/lora.md); upstream's ``model: "base:adapter"`` also names one.
+    lora_path: str | None = None
     # Entropy definition for return_entropy (docs/entropy.md); None: the server's default.
     entropy_mode: str | None = None
     entropy_top_k: int | None = None

@@ -182,6 +182,14 @@ class OpenAIServingBase:
                 out.append(p)
         return out
 
+    @staticmethod
+    def lora_path(model: str | None, lora_path: str | None) -> str | None:
+        """The LoRA adapter of a request: the part after the first ':' of ``model`` (upstream's
+        ``"base-model:adapter"``), else its ``lora_path`` field, else None (the base model)."""
+        if isinstance(model, str) and ":" in model:
+            return model.split(":", 1)[1] or None
+        return lora_path
+
     def rids(self, rid: str | None, count: int) -> list[str] | None:
         """Request ids: the user's rid (suffixed per choice when there are several) or None."""
         if rid is None:

@@ -134,6 +134,7 @@ class OpenAIServingChat(OpenAIServingBase):
             return_entropy=req.return_entropy,
             entropy_mode=req.entropy_mode,
             entropy_top_k=req.entropy_top_k,
+            lora_path=self.lora_path(req.model, req.lora_path),
         )
 
     def _logprobs(self, meta: dict[str, Any], start: int) -> ChatChoiceLogprobs:

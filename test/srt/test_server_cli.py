@@ -99,7 +99,7 @@ def test_argparse_errors_exit_2(argv: list[str], needle: str,
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--tp-size", "2"], "--tp-size"),
+    (["--tp-size", "0"], "--tp-size"),
     (["--attention-backend", "flashinfer"], "--attention-backend flashinfer is not available"),
     (["--page-size", "0"], "--page-size"),
 ])
@@ -111,10 +111,11 @@ def test_values_we_cannot_honour_exit_2(argv: list[str], needle: str,
     assert needle in capsys.readouterr().err
 
 
-def test_tp_size_error_from_the_real_command() -> None:
-    result = _run_cli("--model-path", "m", "--device", "cpu", "--tp-size", "2")
+def test_parallelism_error_from_the_real_command() -> None:
+    result = _run_cli("--model-path", "m", "--device", "cpu", "--tp-size", "3", "--nnodes", "2",
+                      "--dist-init-addr", "127.0.0.1:5000")
     assert result.returncode == 2
-    assert "--tp-size > 1 is not supported" in result.stderr
+    assert "--tp-size 3 must be a multiple of --nnodes 2" in result.stderr
 
 
 def test_server_args_doc_is_up_to_date() -> None:

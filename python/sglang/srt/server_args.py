@@ -174,12 +174,39 @@ class ServerArgs:
     random_seed: int = _arg(
         None, "Seed of the engine; requests without sampling_seed derive theirs from it."
     )
-    tp_size: int = _arg(1, "Tensor-parallel size (only 1 is supported for now).")
+    tp_size: int = _arg(
+        1,
+        "Tensor-parallel size: this many scheduler processes (one per rank, one device each) "
+        "serve each replica together over torch.distributed (gloo on CPU, NCCL on CUDA); "
+        "rank 0 receives the requests and the ranks run every step in lockstep "
+        "(docs/distributed.md).",
+    )
     dp_size: int = _arg(
         1,
         "Data-parallel size: this many scheduler processes, each a full model replica with "
         "its own KV cache (on CPU each gets 1/N of the torch threads), behind one frontend "
         "(docs/distributed.md).",
+    )
+    nnodes: int = _arg(
+        1,
+        "Number of machines the tensor-parallel ranks span; each runs tp_size / nnodes of "
+        "them. Start the same command on every node with its own --node-rank.",
+    )
+    node_rank: int = _arg(
+        0,
+        "This node's index among --nnodes: node 0 serves HTTP and runs TP rank 0; the others "
+        "run only their scheduler ranks (the command blocks until they exit).",
+    )
+    dist_init_addr: str | None = _arg(
+        None,
+        "HOST:PORT of the tensor-parallel rendezvous (TP rank 0 listens there; node 0's "
+        "address). Required with --nnodes > 1; on one node a free local port is used.",
+    )
+    dist_timeout: int | None = _arg(
+        None,
+        "Seconds a tensor-parallel rank waits for its peers (rendezvous and every collective) "
+        "before failing; a peer that dies is noticed at once, this bounds the rest. "
+        "Default: 600.",
     )
     load_balance_method: str = _arg(
         "round_robin",
@@ -317,10 +344,9 @@ class ServerArgs:
                 f"--weight-version must be a non-empty printable label of at most "
                 f"{MAX_VERSION_LEN} characters"
             )
-        if self.tp_size != 1:
-            raise ValueError("--tp-size > 1 is not supported yet; run with --tp-size 1")
         if not isinstance(self.dp_size, int) or self.dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size!r}")
+        self._check_parallelism()
         if self.load_balance_method not in _LOAD_BALANCE_METHODS:
             raise ValueError(
                 f"--load-balance-method must be one of {_LOAD_BALANCE_METHODS}, "
@@ -386,6 +412,37 @@ class ServerArgs:
                      "max_stop_strings", "max_stop_str_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+    def _check_parallelism(self) -> None:
+        """TP size, the node layout and the rendezvous address (docs/distributed.md)."""
+        for flag, value, low in (("--tp-size", self.tp_size, 1), ("--nnodes", self.nnodes, 1),
+                                 ("--node-rank", self.node_rank, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} must be < --nnodes {self.nnodes}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(
+                f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} "
+                "(each node runs the same number of TP ranks)"
+            )
+        if self.nnodes > 1 and self.dp_size > 1:
+            raise ValueError(
+                "--dp-size > 1 with --nnodes > 1 is not supported: run one multi-node "
+                "engine per data-parallel replica (docs/distributed.md)"
+            )
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
+        if self.dist_init_addr is not None:
+            host, _, port = str(self.dist_init_addr).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(
+                    f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}"
+                )
+        if self.dist_timeout is not None and not (
+            isinstance(self.dist_timeout, (int, float)) and self.dist_timeout > 0
+        ):
+            raise ValueError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout!r}")
 
     def _resolve_lora(self) -> None:
         """Normalise --lora-paths to ['name=path', ...] and check the LoRA block."""

@@ -85,7 +85,6 @@ UPSTREAM_ONLY_FIELDS: dict[str, tuple[str, Any]] = {
     "constrained_json_disable_any_whitespace": ("bool", False),
     "watchdog_timeout": ("float", 300),
     "soft_watchdog_timeout": ("float", None),
-    "dist_timeout": ("int", None),
     "download_dir": ("str", None),
     "model_checksum": ("str", None),
     "base_gpu_id": ("int", 0),
@@ -128,9 +127,6 @@ UPSTREAM_ONLY_FIELDS: dict[str, tuple[str, Any]] = {
     "sampling_defaults": ("str", 'model'),
     "attn_cp_size": ("int", 1),
     "moe_dp_size": ("int", 1),
-    "dist_init_addr": ("str", None),
-    "nnodes": ("int", 1),
-    "node_rank": ("int", 0),
     "json_model_override_args": ("str", '{}'),
     "preferred_sampling_params": ("str", None),
     "enable_lora_overlap_loading": ("bool", None),
@@ -343,7 +339,7 @@ UPSTREAM_ONLY_FIELDS: dict[str, tuple[str, Any]] = {
 # have (CUDA graphs, torch.compile, custom all-reduce, NCCL, multimodal encoders, CPU offload),
 # logging and metrics, or multi-node placement that a single-node run does not use.
 NOT_APPLICABLE: frozenset[str] = frozenset({
-    "base_gpu_id", "gpu_id_step", "nccl_port", "dist_init_addr", "dist_timeout",
+    "base_gpu_id", "gpu_id_step", "nccl_port",
     "enable_memory_saver", "enable_weights_cpu_backup",
     "mm_attention_backend", "enable_multimodal", "keep_mm_feature_on_device",
     "enable_broadcast_mm_inputs_process", "enable_prefix_mm_cache", "mm_enable_dp_encoder",

@@ -75,6 +75,22 @@ class GroupCoordinator:
         dist.broadcast_object_list(box, src=src, group=self.cpu_group)
         return box[0]
 
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """On rank ``dst``: every rank's ``obj`` (picklable), in rank order; None elsewhere."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst, group=self.cpu_group)
+        return out
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
     def barrier(self) -> None:
         """Return once every rank has called it."""
         if self.world_size > 1:

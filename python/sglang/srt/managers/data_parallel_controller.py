@@ -246,35 +246,46 @@ class DataParallelController:
                 self.send_to_ranks[dest].send(dumps(out))
 
 
-def configure_dp_rank(server_args: ServerArgs, dp_rank: int) -> None:
-    """Give this DP rank its share of the machine, before the model is loaded.
+def configure_dp_rank(server_args: ServerArgs, dp_rank: int, tp_rank: int = 0) -> None:
+    """Give this scheduler rank (DP rank ``dp_rank``, TP rank ``tp_rank``) its share of the
+    machine, before the model is loaded. The ranks on one node are ``dp_size * tp_size /
+    nnodes``; this one is the ``local``-th of them (DP-major, then its TP ranks on this node).
 
     * CPU: 1/N of the torch threads (at least one), and 1/N of the memory that a single
       scheduler would take for its KV cache (unless --max-total-tokens fixes the size), so N
-      replicas neither oversubscribe the cores nor the RAM;
-    * CUDA: GPU ``dp_rank`` (of the visible ones). With fewer GPUs than ranks, ranks share
-      them (rank % GPUs); each rank then needs --max-total-tokens, since sizing the KV cache
-      from free memory would race with the other ranks on that GPU.
+      ranks neither oversubscribe the cores nor the RAM;
+    * CUDA: GPU ``local`` (of the visible ones). With fewer GPUs than ranks, ranks of
+      different DP replicas share them (local % GPUs; the TP ranks of one replica always get
+      distinct GPUs, which NCCL needs); each rank then needs --max-total-tokens, since sizing
+      the KV cache from free memory would race with the other ranks on that GPU.
     """
     import torch
 
+    tp_per_node = server_args.tp_size // server_args.nnodes
+    num_local = server_args.dp_size * tp_per_node
+    local = dp_rank * tp_per_node + tp_rank % tp_per_node
     if server_args.device == "cuda":
         num_gpus = torch.cuda.device_count()
         if num_gpus == 0:
             raise RuntimeError("no CUDA device visible")
-        if num_gpus < server_args.dp_size and server_args.max_total_tokens is None:
+        if num_gpus < tp_per_node:
             raise RuntimeError(
-                f"--dp-size {server_args.dp_size} with {num_gpus} GPU(s): ranks share a GPU, "
-                "which needs --max-total-tokens (the KV cache size of each rank)"
+                f"{tp_per_node} tensor-parallel ranks on this node need as many GPUs (NCCL "
+                f"runs one rank of a group per GPU); {num_gpus} visible"
             )
-        torch.cuda.set_device(dp_rank % num_gpus)
+        if num_gpus < num_local and server_args.max_total_tokens is None:
+            raise RuntimeError(
+                f"{num_local} scheduler ranks on this node with {num_gpus} GPU(s): ranks "
+                "share a GPU, which needs --max-total-tokens (the KV cache size of each rank)"
+            )
+        torch.cuda.set_device(local % num_gpus)
         return
     from sglang.srt.model_executor.model_runner import _DEFAULT_CPU_KV_FRACTION
 
-    torch.set_num_threads(max(1, torch.get_num_threads() // server_args.dp_size))
+    torch.set_num_threads(max(1, torch.get_num_threads() // num_local))
     if server_args.max_total_tokens is None:
         fraction = server_args.mem_fraction_static or _DEFAULT_CPU_KV_FRACTION
-        server_args.mem_fraction_static = fraction / server_args.dp_size
+        server_args.mem_fraction_static = fraction / num_local
 
 
 def start_group_watchdog(procs: list[Any], grace_s: float = _GROUP_GRACE_S) -> threading.Thread:

@@ -1,15 +1,19 @@
-"""Merging the replies of every data-parallel rank into the one reply the frontend awaits.
+"""Merging the replies of every rank into the one reply the frontend awaits.
 
 The DP controller fans a control request out to the ranks; each rank answers with the same
 ``req_id``. Once every targeted rank has answered, :func:`merge_replies` builds one reply of
-the same type (pure: no sockets, unit-tested without processes):
+the same type (pure: no sockets, unit-tested without processes). Tensor-parallel rank 0 merges
+its group's replies the same way (:func:`merge_tp_replies`), except that TP ranks serve the
+same requests, so their counts are not summed but rank 0's, and the state is rank 0's with a
+summary of every rank's KV state (``tp_ranks``):
 
 | field                                   | merged as                                          |
 |-----------------------------------------|----------------------------------------------------|
 | ``success``, ``flushed``                | true only when true on every rank                  |
 | ``was_paused``                          | true when true on any rank                         |
-| ``num_*``, ``flushed_items`` (ints)     | summed over the ranks                              |
+| ``num_*``, ``flushed_items`` (ints)     | summed over DP ranks (TP: rank 0's)                |
 | ``message`` / ``error_msg``             | on failure: ``"DP rank R: reason"`` per failed rank |
+|                                         | (``"TP rank R: reason"`` within a TP group)        |
 | ``released_tags``                       | union (released on some rank = not fully usable)   |
 | ``internal_state``                      | one dict per rank in ``internal_states``, each     |
 |                                         | with its ``dp_rank``                                |
@@ -28,8 +32,34 @@ _ANY_FIELDS = frozenset({"was_paused"})
 _MESSAGE_FIELDS = ("message", "error_msg")
 
 
-def merge_replies(replies: dict[int, Any]) -> Any:
-    """One reply standing for ``replies`` (DP rank -> that rank's reply, all of one type)."""
+# The per-rank fields a TP group's state reports for each rank (``tp_ranks``): what proves
+# that no rank leaked KV (engine_test_utils.assert_kv_all_back) and that the ranks agree.
+TP_RANK_STATE_KEYS = (
+    "running_batch_size", "waiting_queue_size", "chunked_req_is_none", "req_to_token_pool_used",
+    "private_kv_tokens", "available_kv_tokens", "free_kv_tokens", "max_total_num_tokens",
+    "tree_cache_size", "engine_paused", "weight_version", "num_loop_turns", "forward_ct_decode",
+)
+
+
+def merge_tp_replies(replies: dict[int, Any]) -> Any:
+    """One reply standing for a tensor-parallel group's ``replies`` (TP rank -> reply)."""
+    first = replies[min(replies)]
+    if isinstance(first, GetInternalStateReqOutput):
+        ranks = [
+            {"tp_rank": r, **{k: replies[r].internal_state.get(k) for k in TP_RANK_STATE_KEYS}}
+            for r in sorted(replies)
+        ]
+        state = {**first.internal_state, "tp_size": len(replies), "tp_ranks": ranks}
+        return GetInternalStateReqOutput(state, req_id=first.req_id)
+    return merge_replies(replies, label="TP rank", sum_counts=False)
+
+
+def merge_replies(
+    replies: dict[int, Any], label: str = "DP rank", sum_counts: bool = True
+) -> Any:
+    """One reply standing for ``replies`` (rank -> that rank's reply, all of one type).
+    ``label`` names a failed rank in the message; without ``sum_counts`` counts are the
+    lowest rank's."""
     ranks = sorted(replies)
     first = replies[ranks[0]]
     if isinstance(first, GetInternalStateReqOutput):
@@ -46,19 +76,19 @@ def merge_replies(replies: dict[int, Any]) -> Any:
             values[f.name] = any(per_rank)
         elif f.name == "released_tags":
             values[f.name] = sorted(set().union(*per_rank))
-        elif isinstance(per_rank[0], int) and not isinstance(per_rank[0], bool):
+        elif sum_counts and isinstance(per_rank[0], int) and not isinstance(per_rank[0], bool):
             values[f.name] = sum(per_rank)
         else:
             values[f.name] = per_rank[0]
     for name in _MESSAGE_FIELDS:
         if name in values:
-            values[name] = _merged_message(replies, name)
+            values[name] = _merged_message(replies, name, label)
     return dataclasses.replace(first, **values)
 
 
-def _merged_message(replies: dict[int, Any], name: str) -> str:
+def _merged_message(replies: dict[int, Any], name: str, label: str) -> str:
     """Rank 0's message when every rank succeeded, else each failed rank's reason, named."""
     failed = [r for r in sorted(replies) if getattr(replies[r], "success", True) is False]
     if not failed:
         return getattr(replies[min(replies)], name)
-    return "; ".join(f"DP rank {r}: {getattr(replies[r], name)}" for r in failed)
+    return "; ".join(f"{label} {r}: {getattr(replies[r], name)}" for r in failed)

@@ -67,10 +67,21 @@ def resolve_pause_mode(mode: str, clear_cache: bool) -> tuple[str, bool]:
 
 class PauseState:
     """Phase, mode and deadlines of the engine's pause. Transitions only through the methods
-    below; every reader asks :attr:`phase` (or the two predicates)."""
+    below; every reader asks :attr:`phase` (or the two predicates).
+
+    Deadlines (the lease, the ``wait`` drain) are read from this process's clock, unless
+    :meth:`follow_leader_clock` was called: tensor-parallel ranks must take the same decision
+    at the same loop turn, so TP rank 0 alone reads its clock (:meth:`deadline_due`) and
+    sends the verdict with the turn's inputs; every rank then applies it (:meth:`expire`).
+    """
 
     def __init__(self) -> None:
+        self.local_clock = True
         self._reset()
+
+    def follow_leader_clock(self) -> None:
+        """Decide deadlines only through :meth:`expire` (a tensor-parallel rank)."""
+        self.local_clock = False
 
     def _reset(self) -> None:
         self.phase = PausePhase.RUNNING
@@ -82,6 +93,7 @@ class PauseState:
         # ``wait`` mode: the request to answer once drained, and the drain's deadline.
         self.pending: PauseGenerationReqInput | None = None
         self.drain_deadline: float | None = None
+        self._expired = False  # the leader said the current deadline has passed
 
     # ---- predicates --------------------------------------------------------------------------
     @property
@@ -98,18 +110,28 @@ class PauseState:
         return self.phase is not PausePhase.PAUSED
 
     def lease_expired(self) -> bool:
-        return (
-            self.phase is PausePhase.PAUSED
-            and self.lease_deadline is not None
-            and time.monotonic() >= self.lease_deadline
-        )
+        return self.phase is PausePhase.PAUSED and self._passed(self.lease_deadline)
 
     def drain_expired(self) -> bool:
-        return (
-            self.phase is PausePhase.DRAINING
-            and self.drain_deadline is not None
-            and time.monotonic() >= self.drain_deadline
-        )
+        return self.phase is PausePhase.DRAINING and self._passed(self.drain_deadline)
+
+    def _passed(self, deadline: float | None) -> bool:
+        if deadline is None:
+            return False
+        return time.monotonic() >= deadline if self.local_clock else self._expired
+
+    def deadline_due(self) -> bool:
+        """By this process's clock, whether the deadline of the current phase (the lease
+        while PAUSED, the drain's while DRAINING) has passed: what TP rank 0 decides for
+        every rank at the start of a loop turn."""
+        deadline = {PausePhase.PAUSED: self.lease_deadline,
+                    PausePhase.DRAINING: self.drain_deadline}.get(self.phase)
+        return deadline is not None and time.monotonic() >= deadline
+
+    def expire(self) -> None:
+        """The leader's verdict: the current deadline has passed (until the next transition,
+        which starts a new deadline or none)."""
+        self._expired = True
 
     # ---- transitions -------------------------------------------------------------------------
     def start(self, recv: PauseGenerationReqInput, mode: str, flush: bool) -> None:
@@ -119,6 +141,7 @@ class PauseState:
         now = time.monotonic()
         deadline = None if recv.timeout_s is None else now + recv.timeout_s
         self.mode, self.flush, self.since = mode, flush, time.time()
+        self._expired = False
         if mode == "wait":
             self.phase = PausePhase.DRAINING
             self.pending, self.drain_deadline, self.lease_deadline = recv, deadline, None
@@ -131,6 +154,7 @@ class PauseState:
         assert self.pending is not None, "no drain in progress"
         recv, self.pending = self.pending, None
         self.phase, self.drain_deadline = PausePhase.PAUSED, None
+        self._expired = False
         return recv
 
     def resume(self) -> None:

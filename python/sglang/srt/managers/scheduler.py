@@ -626,5 +626,6 @@ class Scheduler:
             "weight_version": self.weights.version,
             "memory_released_tags": sorted(self.memory.released),
             "max_running_requests": self.max_running_requests,
+            "tp_size": self.server_args.tp_size,
             **self.lora_ctl.internal_state(),
         }

@@ -355,8 +355,9 @@ def test_tensor_update_version_and_memory_on_every_rank(engine: sgl.Engine) -> N
 
 
 def test_update_weights_from_distributed_reaches_every_rank(engine: sgl.Engine) -> None:
-    """The frontend joins the trainer's group and receives the broadcast; the controller
-    then fans the tensors out to every rank."""
+    """Upstream's layout: each DP rank joins the trainer's group (world_size = 1 + DP, ranks
+    rank_offset + dp_rank) and receives the broadcast itself; a group too small for every rank
+    is refused before any rank joins."""
     same_prompt = [PROMPTS[2]] * DP
     before = [o["output_ids"] for o in engine.generate(input_ids=same_prompt,
                                                        sampling_params=_greedy(12))]
@@ -367,16 +368,21 @@ def test_update_weights_from_distributed_reaches_every_rank(engine: sgl.Engine) 
     trainer_group: list = []
 
     def trainer() -> None:  # rank 0 of the group, as an RL trainer
-        store = dist.TCPStore("127.0.0.1", port, 2, is_master=True)
-        trainer_group.append(dist.ProcessGroupGloo(dist.PrefixStore("dp/", store), 0, 2))
+        store = dist.TCPStore("127.0.0.1", port, 1 + DP, is_master=True)
+        trainer_group.append(dist.ProcessGroupGloo(dist.PrefixStore("dp/", store), 0, 1 + DP))
 
-    thread = threading.Thread(target=trainer)
-    thread.start()
     tm = engine.tokenizer_manager
     assert tm is not None
-    init = InitWeightsUpdateGroupReqInput("127.0.0.1", port, 1, 2, "dp", "gloo")
-    assert asyncio.run(tm.init_weights_update_group(init, None))[0]
+    too_small = InitWeightsUpdateGroupReqInput("127.0.0.1", port, 1, DP, "dp", "gloo")
+    ok, message = asyncio.run(tm.init_weights_update_group(too_small, None))
+    assert not ok and f"{DP} scheduler ranks" in message and "world_size" in message, message
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    init = InitWeightsUpdateGroupReqInput("127.0.0.1", port, 1, 1 + DP, "dp", "gloo")
+    ok, message = asyncio.run(tm.init_weights_update_group(init, None))
+    assert ok, message
     thread.join(60)
+    assert trainer_group, "the trainer met every DP rank"
 
     async def update() -> tuple[bool, str]:
         obj = UpdateWeightsFromDistributedReqInput(

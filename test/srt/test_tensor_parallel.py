@@ -365,8 +365,9 @@ def test_serialized_tensors_one_entry_per_rank(engine: sgl.Engine) -> None:
 
 
 def test_update_weights_from_distributed_reaches_every_rank(engine: sgl.Engine) -> None:
-    """The frontend joins the trainer's group once, receives the broadcast, and forwards the
-    tensors to rank 0, which hands them to every rank with the turn's inputs."""
+    """Upstream's layout: every TP rank joins the trainer's group (world_size = 1 + TP,
+    ranks rank_offset + tp_rank), receives the broadcast and loads its part; a group too small
+    for every rank is refused before any rank joins."""
     before = _same_prompt_ids(engine)
     head = torch.tensor(engine.get_weights_by_name("lm_head.weight", truncate_size=10_000))
     with socket.socket() as sock:
@@ -375,16 +376,21 @@ def test_update_weights_from_distributed_reaches_every_rank(engine: sgl.Engine) 
     trainer_group: list = []
 
     def trainer() -> None:  # rank 0 of the weight group, as an RL trainer
-        store = dist.TCPStore("127.0.0.1", port, 2, is_master=True)
-        trainer_group.append(dist.ProcessGroupGloo(dist.PrefixStore("tp/", store), 0, 2))
+        store = dist.TCPStore("127.0.0.1", port, 1 + TP, is_master=True)
+        trainer_group.append(dist.ProcessGroupGloo(dist.PrefixStore("tp/", store), 0, 1 + TP))
 
-    thread = threading.Thread(target=trainer)
-    thread.start()
     tm = engine.tokenizer_manager
     assert tm is not None
-    init = InitWeightsUpdateGroupReqInput("127.0.0.1", port, 1, 2, "tp", "gloo")
-    assert asyncio.run(tm.init_weights_update_group(init, None))[0]
+    too_small = InitWeightsUpdateGroupReqInput("127.0.0.1", port, 1, TP, "tp", "gloo")
+    ok, message = asyncio.run(tm.init_weights_update_group(too_small, None))
+    assert not ok and f"{TP} scheduler ranks" in message and "world_size" in message, message
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    init = InitWeightsUpdateGroupReqInput("127.0.0.1", port, 1, 1 + TP, "tp", "gloo")
+    ok, message = asyncio.run(tm.init_weights_update_group(init, None))
+    assert ok, message
     thread.join(60)
+    assert trainer_group, "the trainer met every TP rank"
 
     async def update() -> tuple[bool, str]:
         obj = UpdateWeightsFromDistributedReqInput(

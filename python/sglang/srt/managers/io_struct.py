@@ -446,6 +446,21 @@ class InitWeightsUpdateGroupReqInput:
     world_size: int
     group_name: str = "weight_update_group"
     backend: str = "nccl"
+    req_id: str = field(default_factory=_new_id)
+
+
+@dataclass
+class WeightsUpdateGroupReqOutput:
+    """The scheduler ranks' answer to joining or leaving a weight-broadcast group (with
+    ``--tp-size > 1``, where every TP rank is a member of the group)."""
+
+    success: bool
+    message: str
+    req_id: str = ""
+
+    def __iter__(self) -> Iterator[Any]:
+        """``success, message = out``, like upstream's pair."""
+        return iter((self.success, self.message))
 
 
 @dataclass
@@ -453,6 +468,7 @@ class DestroyWeightsUpdateGroupReqInput:
     """Leave the weight-broadcast group ``group_name`` (upstream's request)."""
 
     group_name: str = "weight_update_group"
+    req_id: str = field(default_factory=_new_id)
 
 
 @dataclass
@@ -472,6 +488,7 @@ class UpdateWeightsFromDistributedReqInput:
     abort_all_requests: bool = False
     weight_version: str | None = None
     load_format: str | None = None
+    req_id: str = field(default_factory=_new_id)
 
 
 @dataclass

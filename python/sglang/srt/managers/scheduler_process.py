@@ -33,6 +33,7 @@ from sglang.srt.managers.io_struct import (
     SchedulerErrorOutput,
     SchedulerReply,
 )
+from sglang.srt.managers.rank_weight_sync import RankWeightSync
 from sglang.srt.managers.req_kv import ReqKV
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.tp_group_io import (
@@ -156,6 +157,14 @@ class SchedulerProcess:
         self.scheduler = build_scheduler(server_args, send_output, send_reply)
         if self.turns is not None:
             self.scheduler.pause.follow_leader_clock()
+        if server_args.tp_size * server_args.dp_size > 1:
+            # Every scheduler rank joins a trainer's weight-broadcast group itself (upstream's
+            # layout); with a single rank the frontend joins for it.
+            sync = RankWeightSync(
+                self.scheduler.weights, (dp_rank or 0) * server_args.tp_size + tp_rank
+            )
+            for msg_type, handler in sync.handlers():
+                self.scheduler.dispatch.register(msg_type, handler)
 
     def _open_sockets(
         self, port_args: PortArgs, dp_rank: int | None

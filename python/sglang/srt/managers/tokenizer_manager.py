@@ -64,6 +64,7 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightsFromTensorReqOutput,
     UpdateWeightVersionReqInput,
     UpdateWeightVersionReqOutput,
+    WeightsUpdateGroupReqOutput,
 )
 from sglang.srt.managers.memory_occupation import resolve_tags
 from sglang.srt.managers.request_validation import (
@@ -168,6 +169,7 @@ class TokenizerManager:
                 (UpdateWeightsFromTensorReqOutput, self._handle_control_output),
                 (GetWeightsByNameReqOutput, self._handle_control_output),
                 (UpdateWeightVersionReqOutput, self._handle_control_output),
+                (WeightsUpdateGroupReqOutput, self._handle_control_output),
                 (ReleaseMemoryOccupationReqOutput, self._handle_control_output),
                 (ResumeMemoryOccupationReqOutput, self._handle_control_output),
                 (LoRAUpdateOutput, self._handle_control_output),
@@ -543,19 +545,40 @@ class TokenizerManager:
     async def init_weights_update_group(
         self, obj: InitWeightsUpdateGroupReqInput, request: fastapi.Request | None = None
     ) -> tuple[bool, str]:
-        """Join the trainer's weight-broadcast group (see weights_update_group); returns
-        upstream's ``(success, message)``. Blocks only a worker thread while ranks meet."""
+        """Join the trainer's weight-broadcast group; returns upstream's ``(success,
+        message)``. With one scheduler rank the frontend joins as ``rank_offset`` (see
+        weights_update_group; only a worker thread blocks while the ranks meet); with several
+        (``--tp-size``/``--dp-size`` > 1) every rank joins itself (see rank_weight_sync)."""
+        ranks = self._scheduler_ranks()
+        if ranks > 1:
+            if not 1 <= obj.rank_offset <= obj.world_size - ranks:
+                return False, (
+                    f"Failed to initialize the weights update group: this engine's {ranks} "
+                    f"scheduler ranks join as rank_offset .. rank_offset + {ranks - 1}, so "
+                    f"rank_offset must be >= 1 and rank_offset + {ranks} <= world_size; got "
+                    f"rank_offset {obj.rank_offset}, world_size {obj.world_size}"
+                )
+            out: WeightsUpdateGroupReqOutput = await self._control(obj)
+            return out.success, out.message
         try:
             await asyncio.to_thread(self.weights_update_groups.init_group, obj)
         except (ValueError, RuntimeError) as e:
             return False, f"Failed to initialize the weights update group: {e}"
         return True, "Succeeded to initialize the weights update group."
 
+    def _scheduler_ranks(self) -> int:
+        """How many scheduler ranks this engine runs (each a member of a weight group)."""
+        return self.server_args.tp_size * self.server_args.dp_size
+
     async def update_weights_from_distributed(
         self, obj: UpdateWeightsFromDistributedReqInput, request: fastapi.Request | None = None
     ) -> tuple[bool, str]:
         """Receive the tensors broadcast in group ``obj.group_name`` and load them like
-        :meth:`update_weights_from_tensor`; returns ``(success, message)``."""
+        :meth:`update_weights_from_tensor`; returns ``(success, message)``. With several
+        scheduler ranks the ranks receive the broadcast themselves."""
+        if self._scheduler_ranks() > 1:
+            update: UpdateWeightsFromTensorReqOutput = await self._control(obj)
+            return update.success, update.message
         try:
             named = await asyncio.to_thread(self.weights_update_groups.receive, obj)
         except (ValueError, RuntimeError) as e:
@@ -571,6 +594,9 @@ class TokenizerManager:
         self, obj: DestroyWeightsUpdateGroupReqInput, request: fastapi.Request | None = None
     ) -> tuple[bool, str]:
         """Leave group ``obj.group_name``; returns ``(success, message)``."""
+        if self._scheduler_ranks() > 1:
+            out: WeightsUpdateGroupReqOutput = await self._control(obj)
+            return out.success, out.message
         try:
             self.weights_update_groups.destroy(obj.group_name)
         except ValueError as e:

@@ -32,39 +32,45 @@ class WeightsUpdateGroups:
     def __init__(self) -> None:
         self._groups: dict[str, tuple[Any, str]] = {}  # name -> (process group, device)
 
-    def init_group(self, obj: InitWeightsUpdateGroupReqInput) -> None:
-        """Join group ``obj.group_name`` (blocks until every rank joined). ValueError for bad
-        arguments or a name already joined; RuntimeError when the rendezvous fails."""
+    def init_group(self, obj: InitWeightsUpdateGroupReqInput, rank_in_engine: int = 0) -> None:
+        """Join group ``obj.group_name`` as rank ``obj.rank_offset + rank_in_engine`` (blocks
+        until every rank joined). ValueError for bad arguments or a name already joined;
+        RuntimeError when the rendezvous fails."""
+        self.check_init(obj, rank_in_engine)
         import torch
         import torch.distributed as dist
 
-        if obj.group_name in self._groups:
-            raise ValueError(f"weights update group {obj.group_name!r} already exists")
-        if not 0 < obj.rank_offset < obj.world_size:
-            raise ValueError(
-                f"rank_offset must be in [1, world_size), got {obj.rank_offset} of "
-                f"{obj.world_size}"
-            )
-        if obj.backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {obj.backend!r}")
-        if obj.backend == "nccl" and not torch.cuda.is_available():
-            raise ValueError("backend 'nccl' needs CUDA; use 'gloo' on CPU")
+        rank = obj.rank_offset + rank_in_engine
         store = dist.TCPStore(
             obj.master_address, int(obj.master_port), obj.world_size, is_master=False,
             timeout=_RENDEZVOUS_TIMEOUT,
         )
         prefixed = dist.PrefixStore(f"{obj.group_name}/", store)
         if obj.backend == "gloo":
-            group: Any = dist.ProcessGroupGloo(
-                prefixed, obj.rank_offset, obj.world_size, _RENDEZVOUS_TIMEOUT
-            )
+            group: Any = dist.ProcessGroupGloo(prefixed, rank, obj.world_size, _RENDEZVOUS_TIMEOUT)
             device = "cpu"
         else:
             group = dist.ProcessGroupNCCL(
-                prefixed, obj.rank_offset, obj.world_size, dist.ProcessGroupNCCL.Options()
+                prefixed, rank, obj.world_size, dist.ProcessGroupNCCL.Options()
             )
             device = f"cuda:{torch.cuda.current_device()}"
         self._groups[obj.group_name] = (group, device)
+
+    def check_init(self, obj: InitWeightsUpdateGroupReqInput, rank_in_engine: int = 0) -> None:
+        """ValueError unless :meth:`init_group` may join with these arguments (nothing joined)."""
+        import torch
+
+        if obj.group_name in self._groups:
+            raise ValueError(f"weights update group {obj.group_name!r} already exists")
+        if not 0 < obj.rank_offset + rank_in_engine < obj.world_size:
+            raise ValueError(
+                f"rank_offset + engine rank must be in [1, world_size), got {obj.rank_offset} + "
+                f"{rank_in_engine} of {obj.world_size}"
+            )
+        if obj.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {obj.backend!r}")
+        if obj.backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend 'nccl' needs CUDA; use 'gloo' on CPU")
 
     def receive(self, obj: UpdateWeightsFromDistributedReqInput) -> list[tuple[str, Any]]:
         """The tensors rank 0 broadcasts, in order, as ``(name, tensor)``. ValueError for an

@@ -40,6 +40,10 @@ class TypeBasedDispatcher:
     def __init__(self, table: list[tuple[type, Callable[[Any], Any]]]) -> None:
         self._table = dict(table)
 
+    def register(self, msg_type: type, handler: Callable[[Any], Any]) -> None:
+        """Route ``msg_type`` to ``handler`` (replacing any handler it had)."""
+        self._table[msg_type] = handler
+
     def __call__(self, obj: Any) -> Any:
         handler = self._table.get(type(obj))
         if handler is None:

@@ -178,3 +178,58 @@ def control_storm(
     thread.join()
     if errors:
         raise errors[0]
+
+
+def broadcast_weight_sync(engine: sgl.Engine, ranks: int, group: str, tensor: Any) -> None:
+    """Act as an RL trainer (rank 0 of a gloo weight group) broadcasting ``tensor`` as the
+    engine's ``lm_head.weight`` with weight version "broadcast", through the frontend's
+    ``init/update/destroy_weights_update_group`` in upstream's layout (the engine's ``ranks``
+    scheduler ranks join as ranks 1..ranks). First checks that a group too small for every
+    rank is refused before any rank joins; asserts every step succeeded."""
+    import asyncio
+    import socket
+
+    import torch.distributed as dist
+
+    from sglang.srt.managers.io_struct import (
+        DestroyWeightsUpdateGroupReqInput,
+        InitWeightsUpdateGroupReqInput,
+        UpdateWeightsFromDistributedReqInput,
+    )
+
+    tm = engine.tokenizer_manager
+    assert tm is not None
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    too_small = InitWeightsUpdateGroupReqInput("127.0.0.1", port, 1, ranks, group, "gloo")
+    ok, message = asyncio.run(tm.init_weights_update_group(too_small, None))
+    assert not ok and f"{ranks} scheduler ranks" in message and "world_size" in message, message
+
+    trainer_group: list = []
+
+    def trainer() -> None:
+        store = dist.TCPStore("127.0.0.1", port, 1 + ranks, is_master=True)
+        prefixed = dist.PrefixStore(f"{group}/", store)
+        trainer_group.append(dist.ProcessGroupGloo(prefixed, 0, 1 + ranks))
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    init = InitWeightsUpdateGroupReqInput("127.0.0.1", port, 1, 1 + ranks, group, "gloo")
+    ok, message = asyncio.run(tm.init_weights_update_group(init, None))
+    assert ok, message
+    thread.join(60)
+    assert trainer_group, "the trainer met every rank"
+
+    async def update() -> tuple[bool, str]:
+        obj = UpdateWeightsFromDistributedReqInput(
+            name="lm_head.weight", dtype=str(tensor.dtype).removeprefix("torch."),
+            shape=list(tensor.shape), group_name=group, weight_version="broadcast")
+        receiving = asyncio.ensure_future(tm.update_weights_from_distributed(obj, None))
+        await asyncio.to_thread(lambda: trainer_group[0].broadcast(tensor, 0).wait())
+        return await receiving
+
+    ok, message = asyncio.run(update())
+    assert ok, message
+    destroy = DestroyWeightsUpdateGroupReqInput(group)
+    assert asyncio.run(tm.destroy_weights_update_group(destroy, None))[0]

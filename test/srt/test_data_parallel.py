@@ -4,11 +4,9 @@ storm, aborts, weight updates), a dead rank surfacing quickly; Engine and HTTP."
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,8 +16,14 @@ from typing import Any
 import httpx
 import pytest
 import torch
-import torch.distributed as dist
-from engine_test_utils import assert_kv_all_back, check_complete, control_storm, post, wait_for
+from engine_test_utils import (
+    assert_kv_all_back,
+    broadcast_weight_sync,
+    check_complete,
+    control_storm,
+    post,
+    wait_for,
+)
 from server_test_utils import ServerProcess
 
 import sglang as sgl
@@ -27,17 +31,14 @@ from sglang.srt.managers.data_parallel_controller import FRONTEND, DpRouter
 from sglang.srt.managers.dp_reply_merge import merge_replies
 from sglang.srt.managers.io_struct import (
     AbortReq,
-    DestroyWeightsUpdateGroupReqInput,
     GetInternalStateReqOutput,
     GetWeightsByNameReqInput,
-    InitWeightsUpdateGroupReqInput,
     PauseGenerationReqOutput,
     PauseStateOutput,
     ReleaseMemoryOccupationReqInput,
     ReleaseMemoryOccupationReqOutput,
     ResumeMemoryOccupationReqInput,
     ResumeMemoryOccupationReqOutput,
-    UpdateWeightsFromDistributedReqInput,
 )
 
 DP = 2
@@ -362,44 +363,11 @@ def test_update_weights_from_distributed_reaches_every_rank(engine: sgl.Engine) 
     before = [o["output_ids"] for o in engine.generate(input_ids=same_prompt,
                                                        sampling_params=_greedy(12))]
     head = torch.tensor(engine.get_weights_by_name("lm_head.weight", truncate_size=10_000))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    trainer_group: list = []
-
-    def trainer() -> None:  # rank 0 of the group, as an RL trainer
-        store = dist.TCPStore("127.0.0.1", port, 1 + DP, is_master=True)
-        trainer_group.append(dist.ProcessGroupGloo(dist.PrefixStore("dp/", store), 0, 1 + DP))
-
-    tm = engine.tokenizer_manager
-    assert tm is not None
-    too_small = InitWeightsUpdateGroupReqInput("127.0.0.1", port, 1, DP, "dp", "gloo")
-    ok, message = asyncio.run(tm.init_weights_update_group(too_small, None))
-    assert not ok and f"{DP} scheduler ranks" in message and "world_size" in message, message
-    thread = threading.Thread(target=trainer)
-    thread.start()
-    init = InitWeightsUpdateGroupReqInput("127.0.0.1", port, 1, 1 + DP, "dp", "gloo")
-    ok, message = asyncio.run(tm.init_weights_update_group(init, None))
-    assert ok, message
-    thread.join(60)
-    assert trainer_group, "the trainer met every DP rank"
-
-    async def update() -> tuple[bool, str]:
-        obj = UpdateWeightsFromDistributedReqInput(
-            name="lm_head.weight", dtype="float32", shape=list(head.shape), group_name="dp",
-            weight_version="broadcast")
-        receiving = asyncio.ensure_future(tm.update_weights_from_distributed(obj, None))
-        await asyncio.to_thread(lambda: trainer_group[0].broadcast(-head, 0).wait())
-        return await receiving
-
-    success, message = asyncio.run(update())
-    assert success, message
+    broadcast_weight_sync(engine, DP, "dp", -head)
     assert [s["weight_version"] for s in _states(engine)] == ["broadcast"] * DP
     after = [o["output_ids"] for o in engine.generate(input_ids=same_prompt,
                                                       sampling_params=_greedy(12))]
     assert after[0] == after[1] != before[0]
-    assert asyncio.run(tm.destroy_weights_update_group(
-        DestroyWeightsUpdateGroupReqInput("dp"), None))[0]
     assert engine.update_weights_from_tensor([("lm_head.weight", head)])[0]
 
 

@@ -5,11 +5,9 @@ clock; and DP=2 x TP=2."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,20 +16,22 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from engine_test_utils import assert_kv_all_back, check_complete, control_storm, wait_for
+from engine_test_utils import (
+    assert_kv_all_back,
+    broadcast_weight_sync,
+    check_complete,
+    control_storm,
+    wait_for,
+)
 
 import sglang as sgl
 from sglang.srt.managers.dp_reply_merge import merge_tp_replies
 from sglang.srt.managers.io_struct import (
-    DestroyWeightsUpdateGroupReqInput,
     FlushCacheReqOutput,
     GetInternalStateReqOutput,
-    InitWeightsUpdateGroupReqInput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     PauseStateOutput,
-    UpdateWeightsFromDistributedReqInput,
 )
 from sglang.srt.managers.pause_state import PauseState
 from sglang.srt.managers.tp_group_io import merge_turn_replies
@@ -370,43 +370,10 @@ def test_update_weights_from_distributed_reaches_every_rank(engine: sgl.Engine) 
     for every rank is refused before any rank joins."""
     before = _same_prompt_ids(engine)
     head = torch.tensor(engine.get_weights_by_name("lm_head.weight", truncate_size=10_000))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    trainer_group: list = []
-
-    def trainer() -> None:  # rank 0 of the weight group, as an RL trainer
-        store = dist.TCPStore("127.0.0.1", port, 1 + TP, is_master=True)
-        trainer_group.append(dist.ProcessGroupGloo(dist.PrefixStore("tp/", store), 0, 1 + TP))
-
-    tm = engine.tokenizer_manager
-    assert tm is not None
-    too_small = InitWeightsUpdateGroupReqInput("127.0.0.1", port, 1, TP, "tp", "gloo")
-    ok, message = asyncio.run(tm.init_weights_update_group(too_small, None))
-    assert not ok and f"{TP} scheduler ranks" in message and "world_size" in message, message
-    thread = threading.Thread(target=trainer)
-    thread.start()
-    init = InitWeightsUpdateGroupReqInput("127.0.0.1", port, 1, 1 + TP, "tp", "gloo")
-    ok, message = asyncio.run(tm.init_weights_update_group(init, None))
-    assert ok, message
-    thread.join(60)
-    assert trainer_group, "the trainer met every TP rank"
-
-    async def update() -> tuple[bool, str]:
-        obj = UpdateWeightsFromDistributedReqInput(
-            name="lm_head.weight", dtype="float32", shape=list(head.shape), group_name="tp",
-            weight_version="broadcast")
-        receiving = asyncio.ensure_future(tm.update_weights_from_distributed(obj, None))
-        await asyncio.to_thread(lambda: trainer_group[0].broadcast(-head, 0).wait())
-        return await receiving
-
-    success, message = asyncio.run(update())
-    assert success, message
+    broadcast_weight_sync(engine, TP, "tp", -head)
     assert [r["weight_version"] for r in _rank_states(engine)] == ["broadcast"] * TP
     assert torch.equal(_lm_head(engine), -head)  # every rank's vocabulary rows
     assert _same_prompt_ids(engine) != before
-    assert asyncio.run(tm.destroy_weights_update_group(
-        DestroyWeightsUpdateGroupReqInput("tp"), None))[0]
     assert engine.update_weights_from_tensor([("lm_head.weight", head)])[0]
     assert _same_prompt_ids(engine) == before
 

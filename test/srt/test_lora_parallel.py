@@ -13,19 +13,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from engine_test_utils import engine_state, post, wait_for
 from test_lora import ALL, write_adapter
 
+import sglang as sgl
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed import parallel_state
 from sglang.srt.distributed.parallel_state import GroupCoordinator
 from sglang.srt.lora.layers import LoRABatchInfo
 from sglang.srt.lora.lora_manager import LoRAManager
+from sglang.srt.managers.data_parallel_controller import FRONTEND, DpRouter
+from sglang.srt.managers.dp_reply_merge import merge_replies, merge_tp_replies, settle_lora_unload
+from sglang.srt.managers.io_struct import (
+    LoRAPauseStateOutput,
+    LoRAUpdateOutput,
+    UnloadLoRAAdapterReqInput,
+)
 from sglang.srt.model_loader import get_model
 from sglang.srt.server_args import ServerArgs
 
@@ -140,3 +151,239 @@ def test_each_rank_holds_its_slice_and_outputs_assemble(
             got = sum(modules[prefix + name](x[:, r * cols : (r + 1) * cols])
                       for r, (modules, _) in enumerate(ranks))
         assert torch.allclose(got, want, atol=1e-5), name
+
+
+# ---- unit: replies of several ranks (no processes) ---------------------------------------------
+def test_lora_replies_merge_over_ranks() -> None:
+    ok = LoRAUpdateOutput(True, "", {"a": "/a", "b": "/b"}, "x")
+    refused = LoRAUpdateOutput(False, "rank 1: bad shape", {"a": "/a"}, "x")
+    # TP: the ranks agreed on the refusal; it is said once.
+    merged = merge_tp_replies({0: refused, 1: refused})
+    assert not merged.success and merged.error_message == "rank 1: bad shape"
+    # DP: the failing replica is named; only adapters loaded on every replica are listed.
+    merged = merge_replies({0: ok, 1: refused})
+    assert not merged.success and merged.error_message == "DP rank 1: rank 1: bad shape"
+    assert merged.loaded_adapters == {"a": "/a"}
+
+
+def test_dp_unload_settles_once_no_replica_has_the_adapter() -> None:
+    running = LoRAUpdateOutput(False, "LoRA adapter 'b' has 1 request(s) running", {"b": "/b"})
+    gone = LoRAUpdateOutput(True, "", {})
+    not_loaded = LoRAUpdateOutput(False, "LoRA adapter 'b' is not loaded", {})
+    first = settle_lora_unload("b", {0: gone, 1: running})
+    assert not first.success and first.error_message.startswith("DP rank 1: ")
+    retry = settle_lora_unload("b", {0: not_loaded, 1: gone})  # after the abort
+    assert retry.success and retry.error_message == ""
+    assert not settle_lora_unload("b", {0: not_loaded, 1: not_loaded}).success
+
+
+def test_dp_router_reports_an_adapter_paused_while_any_replica_has_it_paused() -> None:
+    router = DpRouter(2, "round_robin")
+    assert router.on_reply(0, LoRAPauseStateOutput(["a"])) == [
+        (FRONTEND, LoRAPauseStateOutput(["a"]))
+    ]
+    assert router.on_reply(1, LoRAPauseStateOutput(["a"])) == []
+    assert router.on_reply(0, LoRAPauseStateOutput([])) == []  # replica 1 still holds "a"
+    assert router.on_reply(1, LoRAPauseStateOutput([])) == [(FRONTEND, LoRAPauseStateOutput([]))]
+    unload = UnloadLoRAAdapterReqInput("b", req_id="u")
+    router.expect("u", [0, 1], unload)
+    assert router.on_reply(0, LoRAUpdateOutput(False, "'b' is not loaded", {}, "u")) == []
+    [(dest, out)] = router.on_reply(1, LoRAUpdateOutput(True, "", {}, "u"))
+    assert dest == FRONTEND and out.success and out.req_id == "u"
+
+
+# ---- TP=2 engine against the TP=1 server --------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference_server(lora_dirs: dict[str, Path]) -> Iterator[Any]:
+    """TP=1, serving "a" and "b": the reference outputs, and the HTTP checks."""
+    from server_test_utils import ServerProcess
+
+    with ServerProcess(
+        lora_dirs["base"], "--skip-server-warmup", "--lora-paths", f"a={lora_dirs['a']}",
+        f"b={lora_dirs['b']}", "--max-loras-per-batch", "2", "--max-lora-rank", "8",
+        "--max-total-tokens", "4096",
+    ) as s:
+        yield s
+
+
+def reference_ids(server: Any, prompts: list[list[int]], names: list[str | None],
+                  max_new: int = MAX_NEW) -> list[list[int]]:
+    """Greedy output ids of the TP=1 server, one batch."""
+    params = {**GREEDY, "max_new_tokens": max_new, "ignore_eos": True}
+    r = post(server, "/generate", {"input_ids": prompts, "lora_path": names,
+                                   "sampling_params": params})
+    assert r.status_code == 200, r.text
+    return [o["output_ids"] for o in r.json()]
+
+
+def output_ids(engine: sgl.Engine, prompts: list[list[int]], names: list[str | None],
+               max_new: int = MAX_NEW) -> list[list[int]]:
+    params = {**GREEDY, "max_new_tokens": max_new, "ignore_eos": True}
+    outs = engine.generate(input_ids=prompts, sampling_params=params, lora_path=names)
+    return [o["output_ids"] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def tp2(lora_dirs: dict[str, Path]) -> Iterator[sgl.Engine]:
+    paths = [f"{n}={lora_dirs[n]}" for n in ("a", "b")]
+    with sgl.Engine(model_path=str(lora_dirs["base"]), random_seed=0, tp_size=TP,
+                    lora_paths=paths, **LORA_ARGS) as eng:
+        yield eng
+
+
+def rank_adapters(engine: sgl.Engine) -> list[list[dict[str, Any]]]:
+    """Each TP rank's loaded adapters (name, path, rank, version, slot...); asserts that
+    every rank of every replica holds the same ones in the same slots."""
+    states = engine.get_server_info()["internal_states"]
+    per_rank = [r["lora_adapters"] for s in states for r in s["tp_ranks"]]
+    assert all(adapters == per_rank[0] for adapters in per_rank), per_rank
+    return per_rank
+
+
+def test_tp2_tokens_equal_tp1(tp2: sgl.Engine, reference_server: Any) -> None:
+    """Each adapter alone and a batch mixing two adapters and the base model."""
+    for name in ("a", "b", None):
+        names = [name] * len(PROMPTS)
+        assert output_ids(tp2, PROMPTS, names) == reference_ids(reference_server, PROMPTS, names)
+    mixed = ["a", "b", None]
+    assert output_ids(tp2, PROMPTS, mixed) == reference_ids(reference_server, PROMPTS, mixed)
+    adapters = rank_adapters(tp2)[0]
+    assert {d["lora_name"] for d in adapters} == {"a", "b"}
+
+
+def test_tp2_refused_adapters_leave_every_rank_serving(
+    tp2: sgl.Engine, lora_dirs: dict[str, Path], tmp_path: Path, reference_server: Any
+) -> None:
+    from conftest import write_tiny_model
+
+    other = write_tiny_model(tmp_path / "other", "llama", hidden_size=32, intermediate_size=64)
+    wrong = write_adapter(other, tmp_path / "wrong", 6, 4, ALL)
+    big = write_adapter(lora_dirs["base"], tmp_path / "big", 5, 16, ["q_proj"])
+    before = rank_adapters(tp2)
+    out = tp2.load_lora_adapter("wrong", str(wrong))
+    assert not out.success and "the base model needs" in out.error_message
+    assert "rank 0:" in out.error_message and "rank 1:" in out.error_message  # named
+    out = tp2.load_lora_adapter("big", str(big))
+    assert not out.success and "rank 16 > --max-lora-rank 8" in out.error_message
+    out = tp2.load_lora_adapter("notpeft", str(lora_dirs["base"]))
+    assert not out.success and "not a PEFT LoRA checkpoint" in out.error_message
+    # Over a loaded name: refused, and "a" keeps its weights (and version) on every rank.
+    out = tp2.load_lora_adapter("a", str(wrong))
+    assert not out.success and set(out.loaded_adapters) == {"a", "b"}
+    assert rank_adapters(tp2) == before
+    mixed = ["a", "b", None]
+    assert output_ids(tp2, PROMPTS, mixed) == reference_ids(reference_server, PROMPTS, mixed)
+
+
+def test_tp2_adapter_from_tensors_and_slot_eviction(
+    tp2: sgl.Engine, lora_dirs: dict[str, Path], reference_server: Any
+) -> None:
+    """Every rank slices the whole pushed tensors; a third adapter with two slots evicts the
+    least recently used one, identically on both ranks."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(lora_dirs["c"] / "adapter_model.safetensors"))
+    config = json.loads((lora_dirs["c"] / "adapter_config.json").read_text())
+    out = tp2.load_lora_adapter_from_tensors("c", tensors, config)
+    assert out.success, out.error_message
+    r = post(reference_server, "/load_lora_adapter",
+             {"lora_name": "c", "lora_path": str(lora_dirs["c"])})
+    assert r.status_code == 200, r.text
+    try:
+        names = ["c", "a", None]
+        assert output_ids(tp2, PROMPTS, names) == reference_ids(reference_server, PROMPTS, names)
+        slots = {d["lora_name"]: d["slot"] for d in rank_adapters(tp2)[0]}
+        assert slots["b"] is None and {slots["a"], slots["c"]} == {0, 1}
+    finally:
+        assert tp2.unload_lora_adapter("c").success
+        assert post(reference_server, "/unload_lora_adapter", {"lora_name": "c"}).status_code == 200
+    assert {d["lora_name"] for d in rank_adapters(tp2)[0]} == {"a", "b"}
+
+
+def test_tp2_pause_one_adapter_retract_while_other_runs(tp2: sgl.Engine) -> None:
+    long = 96
+    want = output_ids(tp2, PROMPTS[:2], ["a", "b"], long)  # uninterrupted, TP=2
+    params = {**GREEDY, "max_new_tokens": long, "ignore_eos": True}
+    with ThreadPoolExecutor(2) as pool:
+        fut_a = pool.submit(tp2.generate, input_ids=PROMPTS[0], sampling_params=params,
+                            lora_path="a")
+        fut_b = pool.submit(tp2.generate, input_ids=PROMPTS[1], sampling_params=params,
+                            lora_path="b")
+        wait_for(lambda: engine_state(tp2)["running_batch_size"] == 2)
+        reply = tp2.pause_generation(mode="retract", lora_name="a")
+        assert reply["num_retracted"] == 1  # once per TP group
+        assert fut_b.result(60)["output_ids"] == want[1]  # b ran to its end meanwhile
+        assert not fut_a.done()
+        ranks = engine_state(tp2)["tp_ranks"]
+        assert [r["paused_loras"] for r in ranks] == [{"a": "retract"}] * TP
+        assert tp2.continue_generation(lora_name="a")["was_paused"]
+        out_a = fut_a.result(60)
+    assert out_a["output_ids"] == want[0]  # resumed seamlessly
+    assert out_a["meta_info"]["total_retractions"] == 1
+
+
+# ---- DP=2 -------------------------------------------------------------------------------------
+def test_dp2_load_outputs_pause_unload(lora_dirs: dict[str, Path], reference_server: Any) -> None:
+    from sglang.srt.managers.tokenizer_manager import EnginePausedError
+
+    with sgl.Engine(model_path=str(lora_dirs["base"]), random_seed=0, dp_size=2,
+                    lora_paths=[f"a={lora_dirs['a']}"], paused_admission="reject",
+                    **LORA_ARGS) as eng:
+        out = eng.load_lora_adapter("b", str(lora_dirs["b"]))
+        assert out.success and set(out.loaded_adapters) == {"a", "b"}
+        states = eng.get_server_info()["internal_states"]
+        assert [{d["lora_name"] for d in s["lora_adapters"]} for s in states] == [{"a", "b"}] * 2
+        # Requests with lora_path are spread over both replicas like any other.
+        prompts, names = PROMPTS + PROMPTS[:1], ["a", "b", None, "b"]
+        assert output_ids(eng, prompts, names) == reference_ids(reference_server, prompts, names)
+        # Adapter-scoped pause reaches both replicas; the frontend refuses "a" meanwhile.
+        reply = eng.pause_generation(mode="retract", lora_name="a")
+        assert reply["mode"] == "retract" and reply["num_retracted"] == 0
+        states = eng.get_server_info()["internal_states"]
+        assert [s["paused_loras"] for s in states] == [{"a": "retract"}] * 2
+        with pytest.raises(EnginePausedError, match="'a' is paused"):
+            eng.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="a")
+        assert eng.continue_generation(lora_name="a")["was_paused"]
+        assert output_ids(eng, PROMPTS[:1], ["a"]) == reference_ids(reference_server,
+                                                                    PROMPTS[:1], ["a"])
+        # An unload refused on the replica where "b" runs, unloaded on the other: the retry
+        # after the abort completes it on both.
+        long = {**GREEDY, "max_new_tokens": 480, "ignore_eos": True}
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(eng.generate, input_ids=PROMPTS[1], sampling_params=long,
+                              lora_path="b")
+            wait_for(lambda: sum(s["running_batch_size"]
+                                 for s in eng.get_server_info()["internal_states"]) == 1)
+            out = eng.unload_lora_adapter("b")
+            assert not out.success and "DP rank" in out.error_message
+            assert "running or waiting" in out.error_message
+            assert set(out.loaded_adapters) == {"a"}  # no longer on every replica
+            assert eng.abort_request(lora_name="b") == 1
+            assert fut.result(60)["meta_info"]["finish_reason"]["type"] == "abort"
+        out = eng.unload_lora_adapter("b")
+        assert out.success and set(out.loaded_adapters) == {"a"}
+        states = eng.get_server_info()["internal_states"]
+        assert [{d["lora_name"] for d in s["lora_adapters"]} for s in states] == [{"a"}] * 2
+        assert not eng.unload_lora_adapter("b").success  # loaded nowhere
+
+
+# ---- /v1/models -------------------------------------------------------------------------------
+def test_v1_models_lists_loaded_adapters(reference_server: Any, lora_dirs: dict[str, Path]
+                                         ) -> None:
+    import httpx
+
+    def models() -> list[dict[str, Any]]:
+        r = httpx.get(reference_server.url + "/v1/models", timeout=30)
+        assert r.status_code == 200
+        return r.json()["data"]
+
+    base, *adapters = models()
+    assert base["parent"] is None and base["max_model_len"] > 0
+    assert [(m["id"], m["root"], m["parent"], m["max_model_len"]) for m in adapters] == [
+        (n, str(lora_dirs[n]), base["id"], None) for n in ("a", "b")
+    ]
+    assert post(reference_server, "/load_lora_adapter",
+                {"lora_name": "c", "lora_path": str(lora_dirs["c"])}).status_code == 200
+    assert [m["id"] for m in models()] == [base["id"], "a", "b", "c"]
+    assert post(reference_server, "/unload_lora_adapter", {"lora_name": "c"}).status_code == 200
+    assert [m["id"] for m in models()] == [base["id"], "a", "b"]

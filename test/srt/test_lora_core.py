@@ -38,9 +38,13 @@ class FakeLoRA:
     def version(self, name: str) -> str:
         return self.versions[name]
 
-    def load(self, name: str, path: str, version: str | None = None, *_: Any) -> None:
+    def prepare(self, name: str, path: str, *_: Any) -> str:
+        """Checks only; the "adapter" is its name (commit gets it back)."""
         if path == "bad":
             raise LoRAError("bad adapter")
+        return name
+
+    def commit(self, name: str, version: str | None = None) -> None:
         self.loaded[name] = max(self.loaded.values(), default=0) + 1
         self.versions[name] = version or "2"
 

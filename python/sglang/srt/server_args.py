@@ -279,7 +279,8 @@ class ServerArgs:
     enable_lora: bool = _arg(
         False,
         "Serve LoRA adapters: requests name one with lora_path (an adapter name); requests of "
-        "different adapters and the base model share batches. Single-GPU / CPU only for now.",
+        "different adapters and the base model share batches; works with --tp-size (each rank "
+        "holds its slice of every adapter) and --dp-size (every replica loads every adapter).",
     )
     lora_paths: list[str] | None = _arg(
         None,
@@ -455,8 +456,6 @@ class ServerArgs:
             self.lora_target_modules = [self.lora_target_modules]
         if not self.enable_lora:
             return
-        if self.tp_size > 1 or self.dp_size > 1:
-            raise ValueError("--enable-lora does not support --tp-size or --dp-size > 1 yet")
         for name in ("max_loras_per_batch", "max_lora_rank", "max_loaded_loras"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

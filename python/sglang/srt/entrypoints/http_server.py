@@ -328,7 +328,9 @@ async def metrics(request: Request) -> Response:
 # ---------------------------------------------------------------------------------------------
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
-    return json_response(ModelList(data=[_model_card(_tm(request))]))
+    """The served model, then each loaded LoRA adapter (as upstream lists them)."""
+    tm = _tm(request)
+    return json_response(ModelList(data=[_model_card(tm), *_lora_cards(tm)]))
 
 
 @router.get("/v1/models/{model_id:path}")
@@ -353,6 +355,17 @@ async def openai_chat_completions(body: ChatCompletionRequest, request: Request)
 
 def _model_card(tm: TokenizerManagerProtocol) -> ModelCard:
     return ModelCard(id=tm.served_model_name, root=tm.model_path, max_model_len=tm.context_len)
+
+
+def _lora_cards(tm: TokenizerManagerProtocol) -> list[ModelCard]:
+    """A card per loaded LoRA adapter, in load order. The frontend's mirror of the loaded
+    adapters (updated by every load / unload reply) is not part of the protocol: frontends
+    without LoRA (the test fakes) have none."""
+    adapters: dict[str, str] = getattr(tm, "lora_adapters", None) or {}
+    return [
+        ModelCard(id=name, root=path, parent=tm.served_model_name, max_model_len=None)
+        for name, path in adapters.items()
+    ]
 
 
 def _probe_request(tm: TokenizerManagerProtocol, rid: str) -> GenerateReqInput:

@@ -35,6 +35,7 @@ from sglang.srt.managers.io_struct import (
     UnloadLoRAAdapterReqInput,
 )
 from sglang.srt.managers.pause_state import PauseModeError, resolve_pause_mode
+from sglang.srt.managers.weight_updater import agree_on_refusal
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -112,14 +113,22 @@ class LoRAControl:
                 f"LoRA adapter {name!r} is loaded and {len(holders)} of its requests are "
                 "running; pause it first (pause_generation with lora_name) to update it",
             )
+        adapter = None
         try:
             if isinstance(recv, LoadLoRAAdapterReqInput):
-                self.lora.load(name, recv.lora_path, recv.weight_version)
+                adapter = self.lora.prepare(name, recv.lora_path)
             else:
                 label = f"<tensors of {name}>"
-                self.lora.load(name, label, recv.weight_version, recv.tensors, recv.config_dict)
-        except LoRAError as e:
-            return self._reply(recv.req_id, str(e))
+                adapter = self.lora.prepare(name, label, recv.tensors, recv.config_dict)
+            error = None
+        except Exception as e:  # whatever is on disk or was sent: a refusal changes nothing
+            error = str(e) if isinstance(e, LoRAError) else f"{type(e).__name__}: {e}"
+        # Every TP rank read and sliced the adapter itself: all of them commit, or none.
+        error = agree_on_refusal(error)
+        if error is not None:
+            return self._reply(recv.req_id, error)
+        assert adapter is not None  # prepared without a refusal
+        self.lora.commit(adapter, recv.weight_version)
         return self._reply(recv.req_id)
 
     def handle_unload(self, recv: UnloadLoRAAdapterReqInput) -> LoRAUpdateOutput:

@@ -13,9 +13,31 @@ A shard the adapter leaves alone keeps zeros. The base layer is not replaced: a 
 adds the delta to its output, so its own ``forward`` (and the ``linear_fn`` that deterministic
 mode and the CPU prepack swap in), its parameter names and its weight loaders stay as they are.
 
-Rows are grouped by slot once per batch (:class:`LoRABatchInfo`), then every projection does
-one gather, two small matmuls and one ``index_add_`` per adapter of the batch; rows of the base
-model are skipped. No Python work per token.
+Rows are grouped by slot once per batch (:class:`LoRABatchInfo`); every projection then runs
+three phases, so that a kernel can replace the first and the last:
+
+    shrink   h = x[rows] @ A.T            per slot group               [n, k]
+    reduce   h summed over the TP ranks   row-parallel layers only     [n, k]
+    expand   out[rows] += h @ B.T         index_add into the output    [n, out]
+
+Rows of the base model are skipped. No Python work per token.
+
+Tensor parallelism: each rank holds the slice of an adapter that matches its slice of the base
+layer (read from the layer's own weight loader, so the LoRA split can never disagree with the
+base split; ``tp`` ranks, rank ``r``)::
+
+    layer split          A (r x in)                   B (out x r)
+    column (qkv, gate_up) whole                        rows of this rank's output shard: its q
+                                                       heads, its (possibly replicated) KV
+                                                       heads, its gate / up halves
+    row (o, down)        columns of this rank's input whole
+
+For a row-parallel layer the rank's shrink ``x_r @ A_r.T`` is a partial sum. The hook runs
+after the layer's ``forward``, i.e. after its own all-reduce, when every rank holds the full
+output; so the partial shrinks are all-reduced too and every rank adds the same full delta
+``(sum_r x_r @ A_r.T) @ B.T`` to that (replicated) output: the delta is counted once. A layer
+that leaves its output unreduced (``reduce_results=False``) gets the partial delta
+``(x_r @ A_r.T) @ B.T`` instead; the later reduction sums it with the partial outputs.
 """
 
 from __future__ import annotations
@@ -23,16 +45,20 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
+from sglang.srt.distributed.parallel_state import tensor_model_parallel_all_reduce
+from sglang.srt.layers.linear import ShardedWeightLoader, TPShard, get_weight_loader
 from sglang.srt.lora.adapter import PROJ_TO_MODULE, LoRAAdapter, LoRAError
 
 _TARGET_RE = re.compile(
     r"layers\.(\d+)\.(?:self_attn|mlp)\.(qkv_proj|o_proj|gate_up_proj|down_proj)$"
 )
+
+# A product ``(x, weight) -> x @ weight.T``: plain, or the layer's batch-invariant one.
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -52,25 +78,36 @@ class LoRABatchInfo:
     padded: tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None = None
 
 
-def _int_attr(module: nn.Module, name: str) -> int:
-    value: Any = vars(module)[name]  # a plain int attribute, not a parameter or submodule
-    return int(value)
+@dataclass(frozen=True)
+class TPSplit:
+    """How a base layer is split over the tensor-parallel ranks, as its weight loader says.
 
+    ``dim`` 0: output rows split (column-parallel; one :class:`TPShard` per fused part, in
+    the layer's row order); ``dim`` 1: input columns split (row-parallel; one shard).
+    ``reduce``: the layer all-reduces its output, so a LoRA shrink must be all-reduced too.
+    """
 
-def _shard_sizes(module: nn.Module, kind: str, out_features: int) -> list[int]:
-    """Output rows of each shard of a fused layer, read from the layer's attributes (not its
-    class: the layer classes are free to change)."""
-    if kind == "qkv_proj":
-        q, kv = _int_attr(module, "q_size"), _int_attr(module, "kv_size")
-        return [q, kv, kv]
-    if kind == "gate_up_proj":
-        sizes = getattr(module, "output_sizes", None)
-        return [int(s) for s in sizes] if sizes else [out_features // 2] * 2
-    return [out_features]
+    dim: int
+    shards: tuple[TPShard, ...]
+    rank: int
+    reduce: bool
+
+    @staticmethod
+    def of(module: nn.Module) -> TPSplit:
+        """The split of ``module`` (a layer of layers/linear.py). ValueError for a layer
+        whose weight has no sharded loader (LoRA only adapts the parallel linear layers)."""
+        loader = get_weight_loader(module.weight)  # type: ignore[arg-type]
+        if not isinstance(loader, ShardedWeightLoader):
+            raise ValueError(f"{type(module).__name__} is not a parallel linear layer")
+        shards = tuple(loader.shards.values())
+        tp_size = len(shards[0].starts)
+        reduce = loader.dim == 1 and tp_size > 1 and bool(vars(module).get("reduce_results"))
+        return TPSplit(loader.dim, shards, loader.rank, reduce)
 
 
 class LoRATarget:
-    """The slots of one projection and the hook that applies them."""
+    """The slots of one projection (this rank's slice of every adapter) and the hook that
+    applies them."""
 
     def __init__(
         self,
@@ -89,10 +126,17 @@ class LoRATarget:
         assert isinstance(weight, torch.Tensor), f"{kind} of layer {layer} has no weight tensor"
         self.layer, self.kind = layer, kind
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
-        sizes = _shard_sizes(module, kind, self.out_features)
-        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        self.sizes = sizes
-        n = len(sizes)
+        self.split = TPSplit.of(module)
+        if self.split.dim == 0:  # fused parts, each this rank's rows of the checkpoint's
+            self.sizes = [s.local_size for s in self.split.shards]
+            self.offsets = [s.local_offset for s in self.split.shards]
+            self.full_sizes = [s.full_size for s in self.split.shards]
+            self.full_in_features = self.in_features
+        else:
+            self.sizes, self.offsets = [self.out_features], [0]
+            self.full_sizes = [self.out_features]
+            self.full_in_features = self.split.shards[0].full_size
+        n = len(self.sizes)
         dev, dtype = weight.device, weight.dtype
         self.A = torch.zeros(num_slots, n * max_rank, self.in_features, dtype=dtype, device=dev)
         self.B = torch.zeros(num_slots, self.out_features, n * max_rank, dtype=dtype, device=dev)
@@ -101,18 +145,33 @@ class LoRATarget:
         self.batch_invariant = batch_invariant
         self.handle = module.register_forward_hook(self._hook)
 
+    # ---- adapter weights ---------------------------------------------------------------------
     def check(self, adapter: LoRAAdapter, proj: str, shard: int) -> None:
-        """LoRAError unless ``adapter``'s weights of ``proj`` fit this layer's shard."""
+        """LoRAError unless ``adapter``'s FULL (unsplit) weights of ``proj`` fit the full base
+        layer's part ``shard``."""
         a, b = adapter.weights[(self.layer, proj)]
-        if a.shape[1] != self.in_features or b.shape[0] != self.sizes[shard]:
+        if a.shape[1] != self.full_in_features or b.shape[0] != self.full_sizes[shard]:
             raise LoRAError(
                 f"adapter {adapter.name!r}: layer {self.layer} {proj} has A {tuple(a.shape)}, "
-                f"B {tuple(b.shape)}; the base model needs A [r, {self.in_features}] and "
-                f"B [{self.sizes[shard]}, r]"
+                f"B {tuple(b.shape)}; the base model needs A [r, {self.full_in_features}] and "
+                f"B [{self.full_sizes[shard]}, r]"
             )
 
+    def local_weights(
+        self, shard: int, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of full weights ``a`` [r, in], ``b`` [out_shard, r] that passed
+        :meth:`check`: B's rows of the rank's output shard (column-parallel) or A's columns
+        of its input shard (row-parallel); copies, so the full tensors can be freed."""
+        part = self.split.shards[0 if self.split.dim == 1 else shard]
+        start = part.starts[self.split.rank]
+        if self.split.dim == 0:
+            return a.clone(), b.narrow(0, start, part.local_size).clone()
+        return a.narrow(1, start, part.local_size).clone(), b.clone()
+
     def write_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
-        """Copy ``adapter``'s weights of this layer into ``slot`` (None: clear it)."""
+        """Copy ``adapter``'s (this rank's) weights of this layer into ``slot`` (None: clear
+        it)."""
         self.A[slot].zero_()
         self.B[slot].zero_()
         self.width[slot] = 0
@@ -129,47 +188,85 @@ class LoRATarget:
             self.B[slot, off : off + size, shard * r : (shard + 1) * r].copy_(b)
         self.width[slot] = len(self.sizes) * r
 
+    # ---- the forward hook: shrink, reduce, expand --------------------------------------------
     def _hook(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        # Every decision below (groups, widths) is the same on every TP rank: they prepared
+        # the same batch with the same slots, so they run the same collectives.
         batch = self._get_batch()
         if batch is None:
             return output
         x = inputs[0].reshape(-1, self.in_features)
         out = output.view(-1, self.out_features)
         if batch.padded is not None and not self.batch_invariant:
-            self._apply_padded(x, out, batch.padded)
+            padded_rows, mask, slots, slot_list = batch.padded
+            k = max(self.width[s] for s in slot_list)
+            if k > 0:
+                h = self._reduce([self._shrink_padded(x, padded_rows, slots, k)])[0]
+                self._expand_padded(h, out, padded_rows, mask, slots, k)
             return output
-        product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
-            vars(module)["linear_fn"] if self.batch_invariant else _product
-        )
-        for slot, rows in batch.groups:
-            k = self.width[slot]
-            if k == 0:
-                continue
-            a, b = self.A[slot, :k], self.B[slot, :, :k]
-            if rows is None:
-                out.add_(product(product(x, a), b))
-            else:
-                out.index_add_(0, rows, product(product(x.index_select(0, rows), a), b))
+        product: Product = vars(module)["linear_fn"] if self.batch_invariant else _product
+        groups = [(slot, rows) for slot, rows in batch.groups if self.width[slot] > 0]
+        shrunk = [self._shrink(x, slot, rows, product) for slot, rows in groups]
+        for (slot, rows), h in zip(groups, self._reduce(shrunk)):
+            self._expand(out, slot, rows, h, product)
         return output
 
+    def _shrink(
+        self, x: torch.Tensor, slot: int, rows: torch.Tensor | None, product: Product
+    ) -> torch.Tensor:
+        """``x[rows] @ A[slot].T`` [n, k] (``rows`` None: every row)."""
+        xs = x if rows is None else x.index_select(0, rows)
+        return product(xs, self.A[slot, : self.width[slot]])
 
-    def _apply_padded(
+    def _reduce(self, shrunk: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The shrinks summed over the TP ranks (one all-reduce for all of them) when the
+        layer's output is reduced; else as they are."""
+        if not self.split.reduce or not shrunk:
+            return shrunk
+        if len(shrunk) == 1:
+            return [tensor_model_parallel_all_reduce(shrunk[0].contiguous())]
+        flat = tensor_model_parallel_all_reduce(torch.cat([h.reshape(-1) for h in shrunk]))
+        return [
+            part.view_as(h) for part, h in zip(flat.split([h.numel() for h in shrunk]), shrunk)
+        ]
+
+    def _expand(
         self,
-        x: torch.Tensor,
         out: torch.Tensor,
-        padded: tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]],
+        slot: int,
+        rows: torch.Tensor | None,
+        h: torch.Tensor,
+        product: Product,
     ) -> None:
-        """All groups at once: ``[G, n_max, in] @ A[G]^T @ B[G]^T`` (two bmm), ranks padded
-        to the largest of the step (slot columns past an adapter's rank are zero)."""
-        rows, mask, slots, slot_list = padded
-        k = max(self.width[s] for s in slot_list)
-        if k == 0:
-            return
+        """``out[rows] += h @ B[slot].T``."""
+        delta = product(h, self.B[slot, :, : self.width[slot]])
+        if rows is None:
+            out.add_(delta)
+        else:
+            out.index_add_(0, rows, delta)
+
+    def _shrink_padded(
+        self, x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, k: int
+    ) -> torch.Tensor:
+        """All groups at once: ``[G, n_max, in] @ A[G]^T`` -> ``[G, n_max, k]``, ranks padded
+        to the largest of the step (slot rows past an adapter's width are zero)."""
         num_groups = slots.numel()
         xs = x.index_select(0, rows).view(num_groups, -1, self.in_features)
         a = self.A.index_select(0, slots)[:, :k]  # [G, k, in]
+        return torch.bmm(xs, a.transpose(1, 2))
+
+    def _expand_padded(
+        self,
+        h: torch.Tensor,
+        out: torch.Tensor,
+        rows: torch.Tensor,
+        mask: torch.Tensor,
+        slots: torch.Tensor,
+        k: int,
+    ) -> None:
+        """``out[rows] += (h @ B[G]^T) * mask`` (padding positions add zero)."""
         b = self.B.index_select(0, slots)[:, :, :k]  # [G, out, k]
-        delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2))
+        delta = torch.bmm(h, b.transpose(1, 2))
         out.index_add_(0, rows, delta.view(-1, self.out_features) * mask)
 
 
@@ -185,3 +282,4 @@ def find_targets(model: nn.Module) -> list[tuple[str, nn.Module, int, str]]:
 
 def _product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x @ weight.T
+

@@ -1,12 +1,16 @@
 """LoRAManager: the adapters the server has loaded (host memory) and the device slots they run
 from.
 
-* ``load`` reads and checks a PEFT checkpoint completely (rank, target modules, every shape
-  against the base model) before it replaces or adds anything: a refusal changes nothing.
+* ``prepare`` reads and checks a PEFT checkpoint completely (rank, target modules, every
+  shape against the full base model) and keeps this tensor-parallel rank's slice of it
+  (:meth:`LoRATarget.local_weights`); only ``commit`` then adds or replaces the adapter, so
+  a refusal changes nothing and the ranks can agree on it in between.
 * ``prepare_batch`` puts the adapters of one step into slots (least recently used slot whose
   adapter the step does not use is overwritten) and groups the step's rows by slot for the
   hooks (:mod:`sglang.srt.lora.layers`). The scheduler never runs a step with more distinct
-  adapters than there are slots (``--max-loras-per-batch``), so a step always fits.
+  adapters than there are slots (``--max-loras-per-batch``), so a step always fits. Slot
+  choice and LRU order depend only on the loads, unloads and steps, which every TP rank sees
+  alike, so every rank puts each adapter in the same slot.
 * Every load gets a fresh ``uid``: the prefix cache keys adapter KV by it, so KV computed under
   an adapter's previous weights is never matched once the adapter is reloaded.
 
@@ -18,7 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -98,10 +102,22 @@ class LoRAManager:
         tensors: dict[str, torch.Tensor] | None = None,
         config: dict | None = None,
     ) -> LoadedLoRA:
-        """Load (or reload, over the same name) the adapter at ``path``, or the one given as
-        PEFT-named ``tensors`` and its adapter ``config`` (``path`` then only labels it).
-        LoRAError when it cannot be served, or when ``--max-loaded-loras`` adapters are loaded
-        already."""
+        """:meth:`prepare` then :meth:`commit` (one process, or start-up: a rank that fails
+        there fails the start)."""
+        return self.commit(self.prepare(name, path, tensors, config), version)
+
+    def prepare(
+        self,
+        name: str,
+        path: str,
+        tensors: dict[str, torch.Tensor] | None = None,
+        config: dict | None = None,
+    ) -> LoRAAdapter:
+        """Read and check the adapter at ``path``, or the one given as PEFT-named ``tensors``
+        (every rank gets them whole) and its adapter ``config`` (``path`` then only labels
+        it), and keep this rank's slice of it. Changes nothing: with tensor parallelism the
+        ranks agree on the verdict before any of them commits. LoRAError when it cannot be
+        served, or when ``--max-loaded-loras`` adapters are loaded already."""
         if not name or not isinstance(name, str):
             raise LoRAError("lora_name must be a non-empty string")
         if name not in self.loaded and self.max_loaded and len(self.loaded) >= self.max_loaded:
@@ -117,12 +133,18 @@ class LoRAManager:
                 name, path, checked, tensors, self.max_rank, self.target_modules
             )
         self._check_shapes(adapter)
+        return self._local_slice(adapter)
+
+    def commit(self, adapter: LoRAAdapter, version: str | None = None) -> LoadedLoRA:
+        """Add ``adapter`` (from :meth:`prepare`), or replace the one of its name; its slot,
+        if any, is cleared (the next step that uses it copies the new weights in)."""
+        name = adapter.name
         prev = self.loaded.get(name)
         num_loads = 1 if prev is None else prev.num_loads + 1
         entry = LoadedLoRA(adapter, next(self._uids), version or str(num_loads), num_loads)
         self.loaded[name] = entry
         self._drop_slot(name)
-        logger.info("LoRA adapter %r loaded from %s (rank %d)", name, path, adapter.rank)
+        logger.info("LoRA adapter %r loaded from %s (rank %d)", name, adapter.path, adapter.rank)
         return entry
 
     def unload(self, name: str) -> None:
@@ -162,6 +184,15 @@ class LoRAManager:
                     "model does not have (or --lora-target-modules excludes)"
                 )
             target.check(adapter, proj, shard)
+
+    def _local_slice(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """``adapter`` (full weights, checked) reduced to this tensor-parallel rank's slice of
+        every weight (the whole adapter with one rank)."""
+        weights = {}
+        for (layer, proj), (a, b) in adapter.weights.items():
+            kind, shard = PROJ_TO_MODULE[proj]
+            weights[(layer, proj)] = self.targets[(layer, kind)].local_weights(shard, a, b)
+        return replace(adapter, weights=weights)
 
     def _drop_slot(self, name: str) -> None:
         if name in self.slot_names:

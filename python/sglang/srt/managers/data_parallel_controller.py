@@ -20,7 +20,10 @@ TokenizerManager sends to, so the frontend is the same with or without DP. It
   outputs and replies travel on one socket in the order the rank produced them, and the merged
   reply leaves on the same socket as the outputs, so a pause that aborted requests returns
   after their final outputs, as with a single scheduler;
-* reports the engine paused only when every rank is paused (``PauseStateOutput``).
+* reports the engine paused only when every rank is paused (``PauseStateOutput``), and a
+  LoRA adapter as refusing admission while any rank says so (``LoRAPauseStateOutput``: every
+  rank announces before it replies, so by the time the merged reply of a pause or continue
+  by ``lora_name`` leaves, the state sent before it covers every rank).
 
 :class:`DpRouter` holds the state (no sockets); :class:`DataParallelController` is the shell.
 """
@@ -37,15 +40,17 @@ from typing import Any
 
 import zmq
 
-from sglang.srt.managers.dp_reply_merge import merge_replies
+from sglang.srt.managers.dp_reply_merge import merge_replies, settle_lora_unload
 from sglang.srt.managers.io_struct import (
     AbortReq,
     GetWeightsByNameReqInput,
+    LoRAPauseStateOutput,
     PauseStateOutput,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
     SchedulerReply,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReqInput,
 )
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils import configure_logger, dumps, get_zmq_socket, kill_process_tree, loads
@@ -104,6 +109,8 @@ class DpRouter:
         self._pending: dict[str, _Pending] = {}
         self._paused: list[PauseStateOutput] = [PauseStateOutput(False)] * dp_size
         self._reported_paused = False
+        self._paused_loras: list[set[str]] = [set() for _ in range(dp_size)]
+        self._reported_paused_loras: set[str] = set()
 
     def assign(self, rid: str) -> int:
         """The rank a new request ``rid`` goes to (remembered until it finishes)."""
@@ -151,6 +158,8 @@ class DpRouter:
                 return []
             self._reported_paused = paused
             return [(FRONTEND, PauseStateOutput(paused, self._paused[0].mode if paused else None))]
+        if isinstance(msg, LoRAPauseStateOutput):
+            return self._on_lora_pause_state(rank, msg)
         req_id = getattr(msg, "req_id", None)
         pending = self._pending.get(req_id) if isinstance(req_id, str) else None
         if pending is None or not isinstance(req_id, str):
@@ -164,8 +173,20 @@ class DpRouter:
             still = set(pending.then.released_tags)
             still.update(*(out.released_tags for out in pending.replies.values()))
             return [(FRONTEND, dataclasses.replace(pending.then, released_tags=sorted(still)))]
+        if isinstance(pending.request, UnloadLoRAAdapterReqInput):
+            return [(FRONTEND, settle_lora_unload(pending.request.lora_name, pending.replies))]
         merged = merge_replies(pending.replies)
         return self._undo_partial(pending, merged) or [(FRONTEND, merged)]
+
+    def _on_lora_pause_state(self, rank: int, msg: LoRAPauseStateOutput) -> list[tuple[int, Any]]:
+        """The adapters refusing admission on any rank, sent when that set changed. The union:
+        a request of such an adapter may be routed to a rank that holds it back."""
+        self._paused_loras[rank] = set(msg.paused)
+        paused = set().union(*self._paused_loras)
+        if paused == self._reported_paused_loras:
+            return []
+        self._reported_paused_loras = paused
+        return [(FRONTEND, LoRAPauseStateOutput(sorted(paused)))]
 
     def _undo_partial(self, pending: _Pending, merged: Any) -> list[tuple[int, Any]]:
         """A memory release that some rank refused is undone (resumed) on the ranks where it

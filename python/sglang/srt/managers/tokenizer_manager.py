@@ -434,26 +434,29 @@ class TokenizerManager:
     ) -> LoRAUpdateOutput:
         """Load (or, over a paused adapter's name, update) an adapter; a refusal changes
         nothing and comes back as ``success=False``."""
-        out: LoRAUpdateOutput = await self._control(obj)
-        if out.success:
-            self.lora_adapters = dict(out.loaded_adapters)
-        return out
+        return await self._lora_update(obj)
 
     async def load_lora_adapter_from_tensors(
         self, obj: LoadLoRAAdapterFromTensorsReqInput, request: fastapi.Request | None = None
     ) -> LoRAUpdateOutput:
         """Load (or update) an adapter from PEFT-named tensors pushed in-process."""
-        out: LoRAUpdateOutput = await self._control(obj)
-        if out.success:
-            self.lora_adapters = dict(out.loaded_adapters)
-        return out
+        return await self._lora_update(obj)
 
     async def unload_lora_adapter(
         self, obj: UnloadLoRAAdapterReqInput, request: fastapi.Request | None = None
     ) -> LoRAUpdateOutput:
+        return await self._lora_update(obj)
+
+    async def _lora_update(
+        self,
+        obj: LoadLoRAAdapterReqInput | LoadLoRAAdapterFromTensorsReqInput
+        | UnloadLoRAAdapterReqInput,
+    ) -> LoRAUpdateOutput:
+        """Send a load / unload; mirror the adapters its reply says are loaded (on every DP
+        replica), refused or not: a refusal on one replica may still have changed the others
+        (docs/lora.md), and a request may only name an adapter every replica has."""
         out: LoRAUpdateOutput = await self._control(obj)
-        if out.success:
-            self.lora_adapters = dict(out.loaded_adapters)
+        self.lora_adapters = dict(out.loaded_adapters)
         return out
 
     async def abort_lora_requests(self, lora_name: str) -> int:

@@ -126,7 +126,7 @@ def _missing_reply(msg: Any, rank: int) -> Any:
     changes: dict[str, Any] = {}
     if "success" in names:
         changes["success"] = False
-    for name in ("message", "error_msg"):
+    for name in ("message", "error_msg", "error_message"):
         if name in names:
             changes[name] = f"no reply from TP rank {rank} (the ranks diverged)"
     return dataclasses.replace(msg, **changes)

@@ -113,11 +113,16 @@ class SamplingExtras(BaseModel):
 # /v1/models
 # ---------------------------------------------------------------------------------------------
 class ModelCard(BaseModel):
+    """One entry of /v1/models: the served model (``root`` its checkpoint), or a loaded LoRA
+    adapter (upstream's shape: ``id`` its name, ``root`` its path, ``parent`` the served
+    model's name, no ``max_model_len``)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "sglang"
     root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
 
 

@@ -88,7 +88,8 @@ def _check_against_reference(
     gen = torch.Generator().manual_seed(seed)
     num_rows = max((start + length for start, length, _ in requests), default=0)
     a, b = _slots(len(widths), widths, k, num_out, dtype, gen, shard_starts)
-    x = torch.randn(num_rows, k, generator=gen).to(TEST_DEVICE, dtype)
+    # x is a column slice (row stride k + 8), as a reshaped hook input may be.
+    x = torch.randn(num_rows, k + 8, generator=gen).to(TEST_DEVICE, dtype)[:, :k]
     out = torch.randn(num_rows, num_out, generator=gen).to(TEST_DEVICE, dtype)
     widths_t = torch.tensor(widths, dtype=torch.int32, device=TEST_DEVICE)
     segments = build_lora_segments(requests, TEST_DEVICE)

@@ -27,8 +27,10 @@ and the segment tensors are int32 on that device. Segments must not overlap and 
 [0, N); ``widths[s] <= W_max``; neither is checked (it would cost a device sync). Products
 accumulate in float32; Y is rounded to x's dtype (as the torch path's intermediate is), and
 each element of out is rounded once, after the delta is added. Nothing synchronizes the host;
-the launch shape depends on the number of segments and the longest one, so a CUDA graph
-capture must fix both (pad with zero-length segments).
+the launch shape depends on the number of segments and ``max_len``, so a CUDA graph capture
+must fix both (pad with zero-length segments; ``segments._replace(max_len=captured)``).
+Importing this module does not import triton (the first launch does): check
+:func:`triton_lora_available` before choosing this path.
 
 Cost of the fused-shard layout: B of a fused layer (q, k, v or gate, up) holds shard s's
 columns s*r .. (s+1)*r only in its output rows, zeros elsewhere, so the full product over

@@ -128,12 +128,15 @@ def test_prefill_long_segments(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_shards_and_ranks_per_slot(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("widths", [[12, 24, 0], [12, 72, 0]])
+def test_fused_shards_and_ranks_per_slot(dtype: torch.dtype, widths: list[int]) -> None:
     """q, k, v shards (48 + 24 + 24 output rows: both column blocks of 64 straddle a shard
-    boundary), adapters of rank 4 and 8 and an empty slot (n*r = 12, 24, 0), decode and
-    prefill rows in one step: the shard-restricted expand equals the full product."""
+    boundary), adapters of rank 4 and 8 (or 24) and an empty slot, decode and prefill rows in
+    one step: the shard-restricted expand equals the full product. With rank 24, W_max = 72
+    spans two column blocks of shrink (the rank-4 slot skips the second) and a straddling
+    expand block reduces over 48 columns in two steps."""
     requests = [(0, 1, 1), (1, 1, 0), (2, 1, 2), (3, 20, 1), (23, 1, -1), (24, 3, 0)]
-    _check_against_reference(requests, [12, 24, 0], dtype, shard_starts=[0, 48, 72])
+    _check_against_reference(requests, widths, dtype, shard_starts=[0, 48, 72])
 
 
 def test_empty_batch() -> None:

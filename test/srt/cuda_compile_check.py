@@ -1,4 +1,4 @@
-"""Compile every Triton kernel of sgl_kernel for an NVIDIA target, without a GPU.
+"""Compile every Triton kernel (sgl_kernel's and LoRA's) for an NVIDIA target, without a GPU.
 
 The interpreter (TRITON_INTERPRET=1) checks what the kernels compute, but not that they
 compile: layouts, dynamic loop bounds and dtype rules are only checked by the real compiler.
@@ -23,6 +23,8 @@ from triton.compiler import ASTSource
 
 import sgl_kernel.batch_invariant as bi
 import sgl_kernel.sampling as sampling
+import sglang.srt.lora.triton_kernels as lora_kernels
+import sglang.srt.lora.triton_ops as lora_ops
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _SAMPLER_FLAGS = ("HAS_TOP_K", "HAS_TOP_P", "HAS_MIN_P", "HAS_ENTROPY", "HAS_RAW", "HAS_SUBSET",
@@ -72,6 +74,20 @@ def main(capability: int) -> None:
         consts = {"BLOCK": block, "SEARCH_BLOCK": search_block, "NUM_PIVOTS": sampling._NUM_PIVOTS}
         consts.update(dict.fromkeys(_SAMPLER_FLAGS, on))
         _compile(target, sampling._fused_sample_kernel, types, consts, **warps)
+
+    segments = {"seg_starts_ptr": "*i32", "seg_lens_ptr": "*i32", "seg_slots_ptr": "*i32",
+                "widths_ptr": "*i32"}  # fmt: skip
+    # Decode tiles in bfloat16 and prefill tiles in float32; 1 and 3 shards for expand.
+    for block_m, dtype, num_shards in [(lora_ops._SHORT_SEGMENT, torch.bfloat16, 1),
+                                       (lora_ops._LONG_BLOCK_M, torch.float32, 3)]:  # fmt: skip
+        ptr = "*" + _DTYPES[dtype]
+        common = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64,
+                  "IEEE": dtype == torch.float32, "INTERPRETED": False}  # fmt: skip
+        types = {"x_ptr": ptr, "a_ptr": ptr, "y_ptr": ptr, **segments}
+        _compile(target, lora_kernels.lora_shrink_kernel, types, common)
+        types = {"y_ptr": ptr, "b_ptr": ptr, "out_ptr": ptr, **segments}
+        consts = {"NUM_SHARDS": num_shards, **common}
+        _compile(target, lora_kernels.lora_expand_kernel, types, consts)
 
 
 if __name__ == "__main__":

@@ -432,6 +432,35 @@ def test_http_api(server: Any, lora_dirs: dict[str, Path], reference: Callable) 
     assert r.status_code == 400 and "not loaded" in r.json()["error_message"]
 
 
+def test_http_load_from_tensors(server: Any, lora_dirs: dict[str, Path],
+                                reference: Callable) -> None:
+    """/load_lora_adapter_from_tensors: serialized PEFT tensors + config serve like the
+    checkpoint; a payload that is not named tensors is a 400 and nothing is loaded."""
+    import json
+
+    from engine_test_utils import post
+    from safetensors.torch import load_file
+
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    tensors = load_file(str(lora_dirs["d"] / "adapter_model.safetensors"))
+    config = json.loads((lora_dirs["d"] / "adapter_config.json").read_text())
+    payload = MultiprocessingSerializer.serialize(list(tensors.items()), output_str=True)
+    body = {"lora_name": "td", "serialized_tensors": payload, "config_dict": config}
+    for bad, reason in (({"serialized_tensors": "%%"}, "base64"),
+                        ({"serialized_tensors": MultiprocessingSerializer.serialize(
+                            [1, 2], output_str=True)}, "serialized_tensors"),
+                        ({"load_format": "flattened_bucket"}, "load_format")):
+        r = post(server, "/load_lora_adapter_from_tensors", {**body, **bad})
+        assert r.status_code == 400 and reason in r.json()["error"]["message"], r.text
+    r = post(server, "/load_lora_adapter_from_tensors", body)
+    assert r.status_code == 200 and "td" in r.json()["loaded_adapters"], r.text
+    r = post(server, "/generate", {"input_ids": PROMPTS[2], "sampling_params": GREEDY,
+                                   "lora_path": "td"})
+    assert r.json()["output_ids"] == reference("d", PROMPTS[2])[0]
+    assert post(server, "/unload_lora_adapter", {"lora_name": "td"}).status_code == 200
+
+
 def server_tokenizer(lora_dirs: dict[str, Path]) -> Any:
     from transformers import AutoTokenizer
 
@@ -439,11 +468,13 @@ def server_tokenizer(lora_dirs: dict[str, Path]) -> Any:
 
 
 def test_padded_and_grouped_paths_agree() -> None:
-    """The one-bmm form of a multi-adapter step equals one pass per adapter."""
+    """The one-bmm form of a multi-adapter step and the Triton kernels' segments equal one
+    pass per adapter."""
     from sglang.srt.layers.linear import QKVParallelLinear
     from sglang.srt.lora.adapter import LoRAAdapter
     from sglang.srt.lora.layers import LoRABatchInfo, LoRATarget
     from sglang.srt.lora.lora_manager import _padded
+    from sglang.srt.lora.triton_ops import build_lora_segments
 
     torch.manual_seed(0)
     layer = QKVParallelLinear(32, 8, 4, 2)
@@ -465,6 +496,11 @@ def test_padded_and_grouped_paths_agree() -> None:
     grouped = layer(x)
     batch[0] = LoRABatchInfo(groups, padded)
     assert torch.allclose(layer(x), grouped, atol=1e-5)
+    # The Triton kernels' path (CUDA in serving; Triton's interpreter here), as the manager
+    # builds it: one segment per request row, base rows in none.
+    segments = build_lora_segments([(i, 1, int(s)) for i, s in enumerate(slots)], x.device)
+    batch[0] = LoRABatchInfo([], segments=segments)
+    assert torch.allclose(layer(x), grouped, atol=1e-4)
     batch[0] = None
     base = layer(x)
     assert torch.equal(grouped[2], base[2]) and not torch.allclose(grouped[0], base[0])

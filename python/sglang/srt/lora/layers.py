@@ -20,7 +20,9 @@ three phases, so that a kernel can replace the first and the last:
     reduce   h summed over the TP ranks   row-parallel layers only     [n, k]
     expand   out[rows] += h @ B.T         index_add into the output    [n, out]
 
-Rows of the base model are skipped. No Python work per token.
+Rows of the base model are skipped. No Python work per token. On CUDA (outside deterministic
+mode) the rows are described as segments instead, and two segment-grouped Triton kernels
+(lora/triton_ops.py) do the shrink and the expand with no gather or scatter.
 
 Tensor parallelism: each rank holds the slice of an adapter that matches its slice of the base
 layer (read from the layer's own weight loader, so the LoRA split can never disagree with the
@@ -52,6 +54,7 @@ from torch import nn
 from sglang.srt.distributed.parallel_state import tensor_model_parallel_all_reduce
 from sglang.srt.layers.linear import ShardedWeightLoader, TPShard, get_weight_loader
 from sglang.srt.lora.adapter import PROJ_TO_MODULE, LoRAAdapter, LoRAError
+from sglang.srt.lora.triton_ops import LoRASegments, lora_expand, lora_shrink
 
 _TARGET_RE = re.compile(
     r"layers\.(\d+)\.(?:self_attn|mlp)\.(qkv_proj|o_proj|gate_up_proj|down_proj)$"
@@ -76,6 +79,9 @@ class LoRABatchInfo:
 
     groups: list[tuple[int, torch.Tensor | None]]
     padded: tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None = None
+    # On CUDA (and not in deterministic mode): the rows as segments for the Triton kernels
+    # (lora/triton_ops.py), which then replace the gather / matmul / index_add path.
+    segments: LoRASegments | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,8 @@ class LoRATarget:
         self.A = torch.zeros(num_slots, n * max_rank, self.in_features, dtype=dtype, device=dev)
         self.B = torch.zeros(num_slots, self.out_features, n * max_rank, dtype=dtype, device=dev)
         self.width = [0] * num_slots  # n * rank of the adapter in each slot (0: empty)
+        # The same widths on the device, for the Triton kernels (read there without a sync).
+        self.width_dev = torch.zeros(num_slots, dtype=torch.int32, device=dev)
         self._get_batch = get_batch
         self.batch_invariant = batch_invariant
         self.handle = module.register_forward_hook(self._hook)
@@ -174,7 +182,7 @@ class LoRATarget:
         it)."""
         self.A[slot].zero_()
         self.B[slot].zero_()
-        self.width[slot] = 0
+        self._set_width(slot, 0)
         if adapter is None:
             return
         r = adapter.rank
@@ -186,7 +194,11 @@ class LoRATarget:
             off, size = self.offsets[shard], self.sizes[shard]
             self.A[slot, shard * r : (shard + 1) * r].copy_(a)
             self.B[slot, off : off + size, shard * r : (shard + 1) * r].copy_(b)
-        self.width[slot] = len(self.sizes) * r
+        self._set_width(slot, len(self.sizes) * r)
+
+    def _set_width(self, slot: int, width: int) -> None:
+        self.width[slot] = width
+        self.width_dev[slot] = width
 
     # ---- the forward hook: shrink, reduce, expand --------------------------------------------
     def _hook(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -197,6 +209,11 @@ class LoRATarget:
             return output
         x = inputs[0].reshape(-1, self.in_features)
         out = output.view(-1, self.out_features)
+        if batch.segments is not None and not self.batch_invariant:
+            h = lora_shrink(x, self.A, self.width_dev, batch.segments)
+            h = self._reduce([h])[0]  # zero columns past a slot's width sum to zero
+            lora_expand(h, self.B, self.width_dev, batch.segments, out, self.offsets)
+            return output
         if batch.padded is not None and not self.batch_invariant:
             padded_rows, mask, slots, slot_list = batch.padded
             k = max(self.width[s] for s in slot_list)

@@ -40,6 +40,7 @@ from sglang.srt.lora.adapter import (
     read_adapter_config,
 )
 from sglang.srt.lora.layers import LoRABatchInfo, LoRATarget, find_targets
+from sglang.srt.lora.triton_ops import build_lora_segments, triton_lora_available
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -83,7 +84,15 @@ class LoRAManager:
                 )
         if not self.targets:
             raise ValueError("--enable-lora: the model has no projection LoRA can adapt")
-        self.dtype = next(iter(self.targets.values())).A.dtype
+        first = next(iter(self.targets.values()))
+        self.dtype = first.A.dtype
+        # The segment-grouped Triton kernels on CUDA; the torch path elsewhere and in
+        # deterministic mode (the kernels' row tiles depend on the batch).
+        self.use_triton_kernels = (
+            first.A.device.type == "cuda"
+            and not server_args.enable_deterministic_inference
+            and triton_lora_available(first.A.device)
+        )
         self.loaded: dict[str, LoadedLoRA] = {}
         self._uids = itertools.count(1)
         self.slot_names: list[str | None] = [None] * self.num_slots
@@ -216,9 +225,14 @@ class LoRAManager:
         if None not in names and len(wanted) == 1:
             self.batch = LoRABatchInfo([(slot_of[names[0]], None)])  # type: ignore[index]
             return
-        req_slots = torch.tensor([-1 if n is None else slot_of[n] for n in names])
-        token_slots = torch.repeat_interleave(req_slots, torch.tensor(lens))
+        slot_list = [-1 if n is None else slot_of[n] for n in names]
         device = forward_batch.input_ids.device
+        if self.use_triton_kernels:
+            starts = itertools.accumulate(lens, initial=0)
+            requests = zip(starts, lens, slot_list)
+            self.batch = LoRABatchInfo([], segments=build_lora_segments(requests, device))
+            return
+        token_slots = torch.repeat_interleave(torch.tensor(slot_list), torch.tensor(lens))
         groups: list[tuple[int, torch.Tensor | None]] = []
         for slot in sorted(set(slot_of.values())):
             rows = torch.nonzero(token_slots == slot).squeeze(1).to(device)

@@ -180,6 +180,38 @@ def control_storm(
         raise errors[0]
 
 
+def storm_requests(
+    engine: sgl.Engine, rng: random.Random, num: int, seconds: float, base_len: int, step: int
+) -> None:
+    """``num`` sampled requests (request i asks for ``base_len + step * i`` tokens) under a
+    :func:`control_storm` of ``seconds``: each must end exactly once, as length or abort, with
+    one logprob per token. The caller checks the KV afterwards (before any flush)."""
+    ends: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def run(i: int) -> dict:
+        out = engine.generate(
+            input_ids=[rng.randrange(3, 400) for _ in range(7)],
+            sampling_params={"max_new_tokens": base_len + step * i, "ignore_eos": True,
+                             "temperature": 1.0, "sampling_seed": i},
+            rid=f"storm-{i}", return_logprob=True,
+        )  # fmt: skip
+        with lock:
+            ends[out["meta_info"]["id"]] = ends.get(out["meta_info"]["id"], 0) + 1
+        return out
+
+    with ThreadPoolExecutor(num) as pool:
+        futs = [pool.submit(run, i) for i in range(num)]
+        control_storm(engine, rng, [f"storm-{i}" for i in range(num)], seconds, 0.03)
+        outs = [f.result(timeout=120) for f in futs]
+    assert ends == {f"storm-{i}": 1 for i in range(num)}
+    for out in outs:
+        meta = out["meta_info"]
+        assert meta["finish_reason"]["type"] in ("length", "abort")
+        assert len(out["output_ids"]) == meta["completion_tokens"]
+        assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+
+
 def broadcast_weight_sync(engine: sgl.Engine, ranks: int, group: str, tensor: Any) -> None:
     """Act as an RL trainer (rank 0 of a gloo weight group) broadcasting ``tensor`` as the
     engine's ``lm_head.weight`` with weight version "broadcast", through the frontend's

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,8 +19,8 @@ from engine_test_utils import (
     assert_kv_all_back,
     broadcast_weight_sync,
     check_complete,
-    control_storm,
     post,
+    storm_requests,
     wait_for,
 )
 from server_test_utils import ServerProcess
@@ -270,32 +269,7 @@ def test_server_args_dp_values() -> None:
 
 
 def test_pause_storm_every_request_ends_once_no_leak(engine: sgl.Engine) -> None:
-    rng = random.Random(11)
-    num = 16
-    ends: dict[str, int] = {}
-    lock = threading.Lock()
-
-    def run(i: int) -> dict:
-        out = engine.generate(
-            input_ids=[rng.randrange(3, 400) for _ in range(7)],
-            sampling_params={"max_new_tokens": 40 + 13 * i, "ignore_eos": True,
-                             "temperature": 1.0, "sampling_seed": i},
-            rid=f"storm-{i}", return_logprob=True,
-        )
-        with lock:
-            ends[out["meta_info"]["id"]] = ends.get(out["meta_info"]["id"], 0) + 1
-        return out
-
-    with ThreadPoolExecutor(num) as pool:
-        futs = [pool.submit(run, i) for i in range(num)]
-        control_storm(engine, rng, [f"storm-{i}" for i in range(num)], 3.0, 0.03)
-        outs = [f.result(timeout=120) for f in futs]
-    assert ends == {f"storm-{i}": 1 for i in range(num)}
-    for out in outs:
-        meta = out["meta_info"]
-        assert meta["finish_reason"]["type"] in ("length", "abort")
-        assert len(out["output_ids"]) == meta["completion_tokens"]
-        assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+    storm_requests(engine, random.Random(11), 16, 3.0, base_len=40, step=13)
     _check_no_leak(engine)  # before any flush: a leak on either rank shows here
     assert engine.flush_cache().success
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,7 @@ from engine_test_utils import (
     assert_kv_all_back,
     broadcast_weight_sync,
     check_complete,
-    control_storm,
+    storm_requests,
     wait_for,
 )
 
@@ -72,31 +71,7 @@ def _check_no_leak(engine: sgl.Engine) -> None:
 def _storm(engine: sgl.Engine, num: int, seconds: float) -> None:
     """Requests of different lengths under random pauses, continues, flushes and aborts: each
     ends exactly once, with aligned tokens and logprobs, and no rank leaks KV."""
-    rng = random.Random(5)
-    ends: dict[str, int] = {}
-    lock = threading.Lock()
-
-    def run(i: int) -> dict:
-        out = engine.generate(
-            input_ids=[rng.randrange(3, 400) for _ in range(7)],
-            sampling_params={"max_new_tokens": 30 + 11 * i, "ignore_eos": True,
-                             "temperature": 1.0, "sampling_seed": i},
-            rid=f"storm-{i}", return_logprob=True,
-        )
-        with lock:
-            ends[out["meta_info"]["id"]] = ends.get(out["meta_info"]["id"], 0) + 1
-        return out
-
-    with ThreadPoolExecutor(num) as pool:
-        futs = [pool.submit(run, i) for i in range(num)]
-        control_storm(engine, rng, [f"storm-{i}" for i in range(num)], seconds, 0.03)
-        outs = [f.result(timeout=120) for f in futs]
-    assert ends == {f"storm-{i}": 1 for i in range(num)}
-    for out in outs:
-        meta = out["meta_info"]
-        assert meta["finish_reason"]["type"] in ("length", "abort")
-        assert len(out["output_ids"]) == meta["completion_tokens"]
-        assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+    storm_requests(engine, random.Random(5), num, seconds, base_len=30, step=11)
     _check_no_leak(engine)  # before any flush: a leak on any rank shows here
     assert engine.flush_cache().success
 

@@ -642,11 +642,7 @@ class Engine:
         (``...layers.0.self_attn.q_proj.lora_A.weight``, as ``get_peft_model_state_dict``
         gives them) and its adapter config (adapter_config.json's content), without a
         checkpoint on disk. Upstream's signature; only the default ``load_format``."""
-        if load_format is not None:
-            raise ValueError(f"load_format {load_format!r} is not supported for LoRA tensors")
-        obj = LoadLoRAAdapterFromTensorsReqInput(
-            lora_name, dict(tensors), dict(config_dict), weight_version
-        )
+        obj = _lora_tensors_request(lora_name, tensors, config_dict, load_format, weight_version)
         return self._run(self._manager().load_lora_adapter_from_tensors(obj))
 
     async def async_load_lora_adapter_from_tensors(
@@ -657,11 +653,7 @@ class Engine:
         load_format: str | None = None,
         weight_version: str | None = None,
     ) -> LoRAUpdateOutput:
-        if load_format is not None:
-            raise ValueError(f"load_format {load_format!r} is not supported for LoRA tensors")
-        obj = LoadLoRAAdapterFromTensorsReqInput(
-            lora_name, dict(tensors), dict(config_dict), weight_version
-        )
+        obj = _lora_tensors_request(lora_name, tensors, config_dict, load_format, weight_version)
         return await self._bridge(self._manager().load_lora_adapter_from_tensors(obj))
 
     def unload_lora_adapter(self, lora_name: str) -> LoRAUpdateOutput:
@@ -912,4 +904,20 @@ def _make_request(args: dict[str, Any]) -> GenerateReqInput:
         entropy_mode=args["entropy_mode"],
         entropy_top_k=args["entropy_top_k"],
         lora_path=args.get("lora_path"),
+    )
+
+
+def _lora_tensors_request(
+    lora_name: str,
+    tensors: dict[str, torch.Tensor] | list[tuple[str, torch.Tensor]],
+    config_dict: dict[str, Any],
+    load_format: str | None,
+    weight_version: str | None,
+) -> LoadLoRAAdapterFromTensorsReqInput:
+    """The request of ``load_lora_adapter_from_tensors``; ValueError for a ``load_format``
+    (only the default one is supported for LoRA tensors)."""
+    if load_format is not None:
+        raise ValueError(f"load_format {load_format!r} is not supported for LoRA tensors")
+    return LoadLoRAAdapterFromTensorsReqInput(
+        lora_name, dict(tensors), dict(config_dict), weight_version
     )

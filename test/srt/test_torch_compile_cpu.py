@@ -25,11 +25,32 @@ PROMPTS = [[5, 17, 3, 99, 250, 8, 41], list(range(30, 43)), [200, 7, 7]]
 NUM_SLOTS = 1024
 
 
+def num_graphs() -> int:
+    """Graphs dynamo traced in this process."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
 def make_runner(path: Path, dtype: str = "float32", **kwargs: object) -> ModelRunner:
     args = ServerArgs(
         model_path=str(path), device="cpu", dtype=dtype, max_total_tokens=NUM_SLOTS, **kwargs
     )
     return ModelRunner(args, ModelConfig(str(path), dtype=dtype, device="cpu"))
+
+
+def compiled_runner(path: Path, dtype: str = "float32", **kwargs: object) -> ModelRunner:
+    """A runner with compiled layers, its graphs all traced at start-up: the 6 of the warm-up
+    (asserted, so that no test passes on a silent fallback to eager).
+
+    Dynamo caches graphs per Python function across runners, and a cache entry per shape set:
+    several models in one process would pile up entries until its recompile limit sends the
+    layers back to eager, so the cache is emptied first (a server holds one model).
+    """
+    torch._dynamo.reset()
+    before = num_graphs()
+    runner = make_runner(path, dtype, enable_torch_compile=True, **kwargs)
+    assert runner.compiled_layers is not None
+    assert num_graphs() - before == 6
+    return runner
 
 
 def greedy(runner: ModelRunner, prompts: list[list[int]], num_steps: int) -> list[list[int]]:
@@ -48,17 +69,13 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], num_steps: int) -> lis
     return tokens
 
 
-def num_graphs() -> int:
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-
-
 @pytest.fixture(scope="module")
 def llama_runners(
     tiny_model_dir: Callable[..., Path],
 ) -> Iterator[tuple[ModelRunner, ModelRunner]]:
     """(eager, compiled) runners on the tiny random Llama, float32."""
     path = tiny_model_dir("llama")
-    yield make_runner(path), make_runner(path, enable_torch_compile=True)
+    yield make_runner(path), compiled_runner(path)
 
 
 def test_compiled_tokens_equal_eager(llama_runners: tuple[ModelRunner, ModelRunner]) -> None:
@@ -105,7 +122,7 @@ def test_qwen3_bfloat16_agrees_with_eager(tiny_model_dir: Callable[..., Path]) -
     differently from eager's op-by-op ones, so the tokens are held to the agreement the
     bfloat16 model tests ask of eager vs transformers (test_models.py)."""
     path = tiny_model_dir("qwen3")
-    got = greedy(make_runner(path, "bfloat16", enable_torch_compile=True), PROMPTS, 5)
+    got = greedy(compiled_runner(path, "bfloat16"), PROMPTS, 5)
     expected = greedy(make_runner(path, "bfloat16"), PROMPTS, 5)
     first_agree = sum(t[0] == e[0] for t, e in zip(got, expected))
     total_agree = sum(a == b for t, e in zip(got, expected) for a, b in zip(t, e))
@@ -116,8 +133,7 @@ def test_decode_batches_above_max_bs_run_eagerly(tiny_model_dir: Callable[..., P
     """--torch-compile-max-bs 0: every decode step takes the eager layers (prefill stays
     compiled), with the same tokens."""
     path = tiny_model_dir("llama")
-    runner = make_runner(path, enable_torch_compile=True, torch_compile_max_bs=0)
-    assert runner.compiled_layers is not None
+    runner = compiled_runner(path, torch_compile_max_bs=0)
     tokens = greedy(runner, PROMPTS, 3)
     assert not runner.compiled_layers.active  # the last step was a decode
     assert tokens == greedy(make_runner(path), PROMPTS, 3)
@@ -147,6 +163,6 @@ def test_server_args_flags() -> None:
 def test_smollm2_compiled_tokens_equal_eager(smollm2_dir: Path) -> None:
     """The real model, float32: the compiled layers give eager's greedy tokens."""
     prompts = [[1, 504, 3458, 282, 4649, 314], list(range(1000, 1040)), [9, 8, 7, 6]]
-    got = greedy(make_runner(smollm2_dir, enable_torch_compile=True), prompts, 12)
+    got = greedy(compiled_runner(smollm2_dir), prompts, 12)
     assert got == greedy(make_runner(smollm2_dir), prompts, 12)
 

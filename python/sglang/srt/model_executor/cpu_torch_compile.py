@@ -19,8 +19,10 @@ activation, slicing), fused into a few C++ loops.
 Shapes: the token dimension is dynamic. Dynamo compiles the first shape it sees statically and
 makes the token count symbolic at the second; one-token steps keep their own graphs (dynamo
 specialises sizes 0 and 1), and so does the first layer (no residual yet). :func:`warm_up` runs
-a 1-token decode step and a 2-token prefill step at start-up, after which a step of any size
-reuses those graphs (6 in all): compilation happens once, before the first request.
+a 1-token and a 2-token prefill at start-up, after which a step of any size reuses those graphs
+(6 in all): compilation happens once, before the first request. (One model per process: the
+graphs are cached per Python function, so a second model of other shapes in the same process
+would compile its own and make dynamo mark more dimensions dynamic.)
 
 Not used in deterministic mode (its batch-invariant products have their own path), with
 tensor parallelism (the all-reduce inside the layers) or with LoRA adapters (their Python
@@ -29,7 +31,6 @@ per-request grouping): the model runner checks.
 
 from __future__ import annotations
 
-import logging
 import time
 import types
 from collections.abc import Callable
@@ -41,8 +42,6 @@ from torch import nn
 from sglang.srt.layers.cpu_prepack import PackedLinear
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-
-logger = logging.getLogger(__name__)
 
 # KV slot that warm-up steps write to: slot 0 is the pool's dummy (padding reads it, no
 # request owns it), so warming up touches no request's K/V.
@@ -125,9 +124,9 @@ class CompiledDecoderLayers:
             packer.packed_weight(weight)
 
 
-def dummy_batch(num_tokens: int, req_to_token_pool: ReqToTokenPool) -> ForwardBatch:
-    """A batch of one request without cached prefix whose ``num_tokens`` new tokens (a DECODE
-    step for one token, else an EXTEND) write their K/V to the dummy slot.
+def dummy_prefill(num_tokens: int, req_to_token_pool: ReqToTokenPool) -> ForwardBatch:
+    """A prefill of one request, ``num_tokens`` new tokens without cached prefix, whose K/V go
+    to the dummy slot. (A prefill, so that it runs compiled whatever --torch-compile-max-bs.)
 
     Takes a row of ``req_to_token_pool`` (the caller frees ``batch.req_pool_indices`` after
     the forward). Raises RuntimeError when none is free.
@@ -139,7 +138,7 @@ def dummy_batch(num_tokens: int, req_to_token_pool: ReqToTokenPool) -> ForwardBa
     slots = torch.full((num_tokens,), _DUMMY_SLOT, dtype=torch.int64, device=device)
     req_to_token_pool.write(rows[0], 0, slots)
     return ForwardBatch(
-        forward_mode=ForwardMode.DECODE if num_tokens == 1 else ForwardMode.EXTEND,
+        forward_mode=ForwardMode.EXTEND,
         batch_size=1,
         input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
         positions=torch.arange(num_tokens, dtype=torch.int64, device=device),
@@ -156,13 +155,13 @@ def dummy_batch(num_tokens: int, req_to_token_pool: ReqToTokenPool) -> ForwardBa
 def warm_up(
     run_forward: Callable[[ForwardBatch], object], req_to_token_pool: ReqToTokenPool
 ) -> float:
-    """Compile now: run a throwaway 1-token decode step and a 2-token prefill step through
-    ``run_forward`` (the model runner's forward), which traces the one-token graphs and the
-    dynamic-size ones that every larger step reuses. Returns the seconds it took. The steps
-    write K/V only to the dummy slot and give their request row back."""
+    """Compile now: run throwaway 1-token and 2-token prefills through ``run_forward`` (the
+    model runner's forward), which traces the one-token graphs (those of every batch-1 decode
+    step too) and the dynamic-size ones that every larger step reuses. Returns the seconds it
+    took. The steps write K/V only to the dummy slot and give their request row back."""
     start = time.perf_counter()
     for num_tokens in (1, 2):
-        batch = dummy_batch(num_tokens, req_to_token_pool)
+        batch = dummy_prefill(num_tokens, req_to_token_pool)
         try:
             run_forward(batch)
         finally:

@@ -133,8 +133,6 @@ class ModelRunner:
             "torch.compile: compiling %d decoder layers ...", len(self.compiled_layers.layers)
         )
         seconds = warm_up(self.forward, self.req_to_token_pool)
-        # The warm-up's decode mirror holds nothing a request needs.
-        self.attn_backend.release_memory()
         logger.info(
             "torch.compile: compiled in %.1f s (prefill and decode batches of up to %d "
             "requests run compiled)",

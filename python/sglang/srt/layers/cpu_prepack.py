@@ -22,6 +22,10 @@ weight updates keep using), so weights take twice their memory: the model runner
 cost. A :class:`PackedLinear` repacks whenever its weight changes, detected through the
 tensor's storage pointer and in-place version counter, so every weight update path (disk,
 tensor, distributed, resume after release) is covered without telling it.
+
+Under ``torch.compile`` (``--enable-torch-compile``) that check cannot be traced: there the
+product is the opaque op ``sglang::packed_linear`` on the copy made last, and the model runner
+calls :meth:`PackedLinear.packed_weight` for every layer before each compiled forward instead.
 """
 
 from __future__ import annotations
@@ -36,6 +40,36 @@ from sglang.srt.layers.linear import linear
 # and 256 rows alike on SmolLM2's shapes (a hint of 1 is up to 1.6x slower at 8-64 rows).
 _ROWS_HINT = 64
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def packed_product(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ W.T + bias`` with ``packed`` W's oneDNN-packed copy (``[out, in]``), in x's dtype.
+
+    A float32 copy of a bfloat16 model's weight (``upcast_bf16``) computes in float32 and rounds
+    the result to bfloat16.
+    """
+    if packed.dtype == x.dtype:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    bias32 = None if bias is None else bias.float()
+    out = torch.ops.mkldnn._linear_pointwise(x.float(), packed, bias32, "none", [], "")
+    return out.to(x.dtype)
+
+
+# The same product as an opaque op for compiled graphs: inductor's own lowering of
+# _linear_pointwise only takes weights that inductor packed itself (freezing), not ours. Eager
+# calls use packed_product directly (the dispatcher round trip costs ~10 us a call).
+packed_linear_op = torch.library.custom_op(
+    "sglang::packed_linear", packed_product, mutates_args=()
+)
+
+
+@packed_linear_op.register_fake
+def _packed_linear_fake(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
 def native_bf16_supported() -> bool:
@@ -69,14 +103,17 @@ class PackedLinear:
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # Traced: the copy of the last packed_weight() call, which the compiled layers
+            # make before every forward (CompiledDecoderLayers.prepare), outside the graph. It
+            # is a graph input, so one graph serves every layer.
+            if self._packed is None or x.dtype != weight.dtype:
+                return linear(x, weight, bias)
+            return packed_linear_op(x, self._packed, bias)
         packed = self.packed_weight(weight) if x.dtype == weight.dtype else None
         if packed is None:
             return linear(x, weight, bias)
-        if packed.dtype == x.dtype:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        bias32 = None if bias is None else bias.float()
-        out = torch.ops.mkldnn._linear_pointwise(x.float(), packed, bias32, "none", [], "")
-        return out.to(x.dtype)
+        return packed_product(x, packed, bias)
 
     def packed_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The packed copy of ``weight`` (packed now if it changed), or None if it cannot be."""

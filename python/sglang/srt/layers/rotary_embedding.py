@@ -160,13 +160,21 @@ class RotaryEmbedding(nn.Module):
             parts.append(x[..., self.rotary_dim :])
         return torch.cat(parts, dim=-1).view(num_tokens, -1)
 
+    def _gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, rotary_dim/2]`` at ``positions``."""
+        cos_sin = self._cache_on(positions.device).index_select(0, positions)
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
     def _cos_sin_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, rotary_dim/2]`` at ``positions``, computed once per forward:
-        every layer passes the same ``positions`` tensor, so the last result is reused."""
+        """:meth:`_gather`, computed once per forward: every layer passes the same
+        ``positions`` tensor, so the last result is reused."""
+        if torch.compiler.is_compiling():
+            # A compiled layer gathers in its graph (inductor fuses it into the rotation): the
+            # identity cache is Python state that a graph must not depend on.
+            return self._gather(positions)
         if self._last is None or positions is not self._last[0]:
-            cos_sin = self._cache_on(positions.device).index_select(0, positions)
-            cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
-            self._last = (positions, (cos, sin))
+            self._last = (positions, self._gather(positions))
         return self._last[1]
 
     def forward(

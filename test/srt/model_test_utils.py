@@ -42,9 +42,11 @@ class BatchBuilder:
         backend_name: str = "torch_native",
         device: str = "cpu",
         num_kv_heads: int | None = None,
+        cpu_attention_kernel: bool = True,
     ) -> None:
         """``num_kv_heads``: KV heads of the pool (a tensor-parallel rank's own), default the
-        config's."""
+        config's. ``cpu_attention_kernel``: on CPU the torch_native backend decodes with the C++
+        kernel, as the model runner sets it up (False: SDPA)."""
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
@@ -64,6 +66,8 @@ class BatchBuilder:
         self.rows: dict[str, int] = {}
         self.seq_lens: dict[str, int] = {}
         self.backend = get_attention_backend_class(backend_name)(device)
+        if cpu_attention_kernel and backend_name == "torch_native" and device == "cpu":
+            self.backend.enable_cpu_decode_kernel()  # SDPA where the kernel cannot be built
 
     def _alloc_slots(self, num_tokens: int) -> torch.Tensor:
         slots, self._free_slots = self._free_slots[:num_tokens], self._free_slots[num_tokens:]

@@ -162,6 +162,13 @@ class ServerArgs:
         "oneDNN's blocked layout (the packed copies run the linear layers 1.3-1.8x faster "
         "and take as much memory again as the weights; the log states how much).",
     )
+    disable_cpu_attention_kernel: bool = _arg(
+        False,
+        "On CPU, run decode attention with torch SDPA instead of the C++ decode-attention "
+        "kernel (compiled at model load and cached in torch's extensions directory; 1.5-3.9x "
+        "faster per layer than SDPA, see docs/performance.md). Where the kernel cannot be "
+        "built, SDPA is used anyway with a warning.",
+    )
     cpu_bf16_linear: str = _arg(
         "auto",
         "How a bfloat16 model's linear layers compute on CPU: bf16 (oneDNN's bfloat16 "

@@ -94,6 +94,13 @@ class ModelRunner:
         # oneDNN-packed copies of the linear weights (CPU; empty when off), dropped on release.
         self.weight_packers = self._enable_prepack()
         self.attn_backend = get_attention_backend_class(backend)()
+        if (
+            torch.device(self.device).type == "cpu"
+            and backend == "torch_native"
+            and not server_args.disable_cpu_attention_kernel
+        ):
+            # Builds the C++ decode-attention kernel now (cached across runs), not mid-decode.
+            self.attn_backend.enable_cpu_decode_kernel()
         logsumexp = get_logsumexp(server_args.sampling_backend)
         for module in self.model.modules():
             if isinstance(module, LogitsProcessor):

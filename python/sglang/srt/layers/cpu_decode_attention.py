@@ -17,25 +17,18 @@ compiler vectorises them for the host (AVX-512, AVX2, NEON) without hand-written
 Queries and K/V may each be float32 or bfloat16; the output has the query's dtype. The (request,
 KV head) pairs are spread over torch's threads with ``at::parallel_for``.
 
-The extension is compiled with ``torch.utils.cpp_extension.load_inline`` on first use (the model
-runner does it at model load) and cached in torch's extensions directory under a name that
-includes a hash of the source and of the CPU's feature flags, so a cache shared by different
-hosts never hands one a binary built for another's instruction set. Where it cannot be built
-(not Linux on x86-64/aarch64, no compiler, a failed build) :func:`load_kernel` logs a warning
-once and returns False, and the backend keeps SDPA.
+The extension is built on first use (the model runner does it at model load) by
+:func:`~sglang.srt.layers.cpu_extension.build_cpu_extension`, cached per source and CPU; where
+it cannot be built :func:`load_kernel` returns False and the backend keeps SDPA.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import platform
-import time
 from types import ModuleType
 
 import torch
 
-logger = logging.getLogger(__name__)
+from sglang.srt.layers.cpu_extension import build_cpu_extension
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -267,58 +260,23 @@ _CPP_DECLARATION = (
     "torch::Tensor lens, double scale);"
 )
 
-# None: not tried yet; False: unavailable (warned once); else the built module.
-_module: ModuleType | bool | None = None
-
-
-def _cpu_flags_hash() -> str:
-    """A short hash of this CPU's feature flags (empty if /proc/cpuinfo has none)."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags = line
-                    break
-    except OSError:
-        pass
-    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+# The built module once load_kernel() succeeded.
+_module: ModuleType | None = None
 
 
 def load_kernel() -> bool:
-    """Build (or load from torch's extension cache) the kernel once per process.
-
-    Returns True when :func:`decode_attention` can be used. Logs the build time the first time,
-    or a warning (once) when the platform is unsupported or the build fails.
-    """
+    """Build (or load from torch's extension cache) the kernel once per process
+    (layers/cpu_extension.py). Returns True when :func:`decode_attention` can be used."""
     global _module
     if _module is None:
-        if platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64"):
-            logger.warning(
-                "CPU decode-attention kernel unavailable on %s/%s; using SDPA",
-                platform.system(),
-                platform.machine(),
-            )
-            _module = False
-            return False
-        start = time.perf_counter()
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            source_hash = hashlib.sha256(_CPP_SOURCE.encode()).hexdigest()[:12]
-            _module = load_inline(
-                name=f"sglang_cpu_decode_attn_{source_hash}_{_cpu_flags_hash()}",
-                cpp_sources=[_CPP_DECLARATION, _CPP_SOURCE],
-                functions=["decode_attention"],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-            )
-        except Exception as exc:  # any build or load failure: keep SDPA
-            logger.warning("CPU decode-attention kernel could not be built (%s); using SDPA", exc)
-            _module = False
-            return False
-        logger.info("built CPU decode-attention kernel in %.1f s", time.perf_counter() - start)
-    return _module is not False
+        _module = build_cpu_extension(
+            "sglang_cpu_decode_attn",
+            _CPP_DECLARATION,
+            _CPP_SOURCE,
+            ["decode_attention"],
+            "CPU decode-attention kernel",
+        )
+    return _module is not None
 
 
 def kernel_supports(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:

@@ -1,0 +1,487 @@
+"""A C++ prefill (EXTEND) attention kernel for CPU (``--disable-cpu-attention-kernel`` turns it
+off together with the decode kernel).
+
+The torch fallback makes one SDPA call per request, and a request with a cached prefix first
+gathers its whole K/V out of the pool with ``index_select``. This kernel is one call per layer
+for the whole batch and reads K/V in place through the request-to-token table.
+
+Contract (:func:`extend_attention`): the batch's new tokens are concatenated in batch order in
+``q`` [T, H*D]; request ``i`` has ``prefix_lens[i]`` tokens cached before this step and
+``extend_lens[i]`` new ones, whose K/V are already stored in the pool; its new token ``j``
+(absolute position ``prefix_lens[i] + j``) attends to the keys at positions
+``0 .. prefix_lens[i] + j`` (causal, bottom-right aligned), key ``pos`` living in slot
+``req_to_token[req_pool_indices[i], pos]`` of the layer's ``k_cache``/``v_cache`` [S, KVH, D].
+Query head ``hq`` uses KV head ``hq // (H / KVH)``. The output has ``q``'s dtype; everything
+in between is float32.
+
+Algorithm (flash-style tiling with an online softmax):
+
+* Work items are (request, KV head, block of up to ``kQueryRows`` new tokens), longest first;
+  one task per torch thread pulls them from an atomic counter, so a long request does not
+  leave the other threads idle at the end. Items are independent, so the result does not
+  depend on the thread count.
+* An item holds its ``M = rows * G`` query vectors (the G query heads of the KV head for each
+  row, pre-scaled, float32) and walks the keys it may see in blocks of ``kKeyBlock``: the block
+  of K is converted to float32 and transposed once (``[D, kKeyBlock]``), so every query of the
+  item reuses it; scores are a register-tiled product (``kScoreRows`` queries x the block);
+  then per query the running max and sum are updated (keys past the query's causal limit get
+  probability 0), the accumulator is rescaled and ``p . V`` added in register tiles
+  (``kValueRows`` queries x 64 columns). Each K/V row is thus read once per item, not once
+  per query.
+* ``exp`` is a degree-6 polynomial on a range reduction (relative error < 2e-7), vectorised by
+  the compiler. The tiles use GCC vector extensions (16 floats), which the compiler lowers to
+  AVX-512, AVX2 or NEON for the host (``-O3 -march=native``); no intrinsics.
+
+bfloat16 is handled as raw 16 bits (the high half of a float32). The head dim must be a
+multiple of 16 (:func:`kernel_supports`); 64 and 128 get loops of a fixed trip count.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from sglang.srt.layers.cpu_extension import build_cpu_extension
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+_CPP_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// 16 floats; the compiler splits it into the host's vector registers (one AVX-512 register,
+// two AVX2 or four NEON ones).
+using v16 = float __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+// Unaligned vector load/store (the pool's rows are only 4-byte aligned in general).
+inline v16 loadv(const float* p) {
+  v16 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void storev(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+inline float load(float x) { return x; }
+inline float load(uint16_t x) { return std::bit_cast<float>(static_cast<uint32_t>(x) << 16); }
+inline void store(float x, float* dst) { *dst = x; }
+inline void store(float x, uint16_t* dst) {
+  uint32_t bits = std::bit_cast<uint32_t>(x);
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even (outputs are finite)
+  *dst = static_cast<uint16_t>(bits >> 16);
+}
+
+using i16 = int32_t __attribute__((vector_size(64)));
+
+// exp(x) for x <= 0, 16 lanes: 2^n * e^r with n = round(x / ln 2) (rounded by adding and
+// subtracting 1.5 * 2^23), |r| <= ln 2 / 2, e^r by its Taylor polynomial of degree 6 (relative
+// error < 2e-7); x is clamped at -87 (~1.6e-38, not 0).
+inline v16 exp_nonpositive(v16 x) {
+  const v16 lo = v16{} - 87.0f;
+  x = x < lo ? lo : x;
+  const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const v16 r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  const v16 p =
+      1.0f + r * (1.0f + r * (0.5f + r * (1.6666667e-1f + r * (4.1666668e-2f +
+      r * (8.3333338e-3f + r * 1.3888889e-3f)))));
+  return p * (v16)((__builtin_convertvector(n, i16) + 127) << 23);
+}
+
+constexpr int64_t kKeyBlock = 32;   // keys per block of the online softmax
+constexpr int64_t kQueryRows = 32;  // new tokens per work item (at most)
+// Register tiles, in 16-float vectors over query vectors (rows): scores kScoreKeys keys x two
+// vectors, p . V kValueDims columns x two vectors. AVX-512 has 32 vector registers; AVX2 and
+// NEON effectively 8 of 16 floats.
+#if defined(__AVX512F__)
+constexpr int64_t kScoreKeys = 8;
+constexpr int64_t kValueDims = 8;
+#else
+constexpr int64_t kScoreKeys = 4;
+constexpr int64_t kValueDims = 4;
+#endif
+constexpr float kNoMax = -1e30f;  // running max before any key (its exp(. - x) is 0)
+
+// s[t][m, m + 16 NV) = sum_d qt[d][m ...] * krow[t][d] for kScoreKeys keys (rows of D floats;
+// qt is [D, Mp], s is [kKeyBlock, Mp]).
+template <int64_t NV>
+inline void score_tile(const float* __restrict qt, const float* const* krow, int64_t D,
+                       int64_t Mp, int64_t m, float* __restrict s) {
+  v16 acc[kScoreKeys][NV] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    v16 qv[NV];
+    for (int64_t c = 0; c < NV; ++c) qv[c] = loadv(qt + d * Mp + m + c * kLanes);
+    for (int64_t t = 0; t < kScoreKeys; ++t) {
+      const float k = krow[t][d];
+      for (int64_t c = 0; c < NV; ++c) acc[t][c] += qv[c] * k;
+    }
+  }
+  for (int64_t t = 0; t < kScoreKeys; ++t) {
+    for (int64_t c = 0; c < NV; ++c) storev(s + t * Mp + m + c * kLanes, acc[t][c]);
+  }
+}
+
+// acct[d, d + kValueDims)[m, m + 16 NV) = alpha[m ...] * acct[...] + sum_{t < nb} p[t][m ...] *
+// vrow[t][d ...] (acct is [D, Mp], p is [kKeyBlock, Mp]).
+template <int64_t NV>
+inline void value_tile(const float* __restrict p, const float* const* vrow, int64_t nb,
+                       int64_t d, int64_t Mp, int64_t m, const float* __restrict alpha,
+                       float* __restrict acct) {
+  v16 a[kValueDims][NV];
+  for (int64_t c = 0; c < NV; ++c) {
+    const v16 al = loadv(alpha + m + c * kLanes);
+    for (int64_t i = 0; i < kValueDims; ++i) {
+      a[i][c] = loadv(acct + (d + i) * Mp + m + c * kLanes) * al;
+    }
+  }
+  for (int64_t t = 0; t < nb; ++t) {
+    v16 pv[NV];
+    for (int64_t c = 0; c < NV; ++c) pv[c] = loadv(p + t * Mp + m + c * kLanes);
+    for (int64_t i = 0; i < kValueDims; ++i) {
+      const float v = vrow[t][d + i];
+      for (int64_t c = 0; c < NV; ++c) a[i][c] += pv[c] * v;
+    }
+  }
+  for (int64_t i = 0; i < kValueDims; ++i) {
+    for (int64_t c = 0; c < NV; ++c) storev(acct + (d + i) * Mp + m + c * kLanes, a[i][c]);
+  }
+}
+
+struct Item {
+  int64_t req;   // request (batch index)
+  int64_t head;  // KV head
+  int64_t row0;  // first new token of the block (0-based within the request)
+  int64_t rows;  // new tokens in the block
+  int64_t cost;  // rows * keys seen by the last one, for ordering
+};
+
+struct Batch {
+  const void* q;
+  void* out;
+  const void* k;
+  const void* v;
+  int64_t q_stride, out_stride, k_stride, k_head, v_stride, v_head;
+  const int64_t* slots;  // req_to_token
+  int64_t slots_stride;
+  std::vector<int64_t> pool_row, prefix, q_offset;
+  int64_t G, D;
+  float scale;
+};
+
+// Query vectors (rows * G) of an item, padded to whole 16-float vectors.
+inline int64_t padded_rows(int64_t rows, int64_t G) {
+  return (rows * G + kLanes - 1) / kLanes * kLanes;
+}
+
+// Scratch floats for one item of up to kQueryRows rows.
+inline int64_t buf_floats(int64_t G, int64_t D) {
+  const int64_t m = padded_rows(kQueryRows, G);
+  return 2 * m * D + m * kKeyBlock + 2 * kKeyBlock * D + D + 4 * m;
+}
+
+// Everything is laid out with the query vectors (m = row * G + g) innermost, so the online
+// softmax (max, exp, sums, rescale) runs down whole vectors with no horizontal reduction and
+// K/V rows are used in their pool layout (one broadcast float at a time).
+template <int kD, typename QT, typename KT>
+void attend_item(const Batch& b, const Item& it, float* __restrict buf) {
+  const int64_t D = kD ? kD : b.D, G = b.G;
+  const int64_t M = it.rows * G, Mp = padded_rows(it.rows, G);
+  float* __restrict qt = buf;                         // [D, Mp] scaled queries (pad: 0)
+  float* __restrict acct = qt + Mp * D;               // [D, Mp] unnormalised outputs
+  float* __restrict s = acct + Mp * D;                // [kKeyBlock, Mp] scores, then p
+  float* __restrict kbuf = s + Mp * kKeyBlock;        // [kKeyBlock, D] converted key rows
+  float* __restrict vbuf = kbuf + kKeyBlock * D;      // [kKeyBlock, D] converted value rows
+  float* __restrict zero_row = vbuf + kKeyBlock * D;  // [D] zeros (keys past the last)
+  float* __restrict run_max = zero_row + D;           // [Mp]
+  float* __restrict run_sum = run_max + Mp;           // [Mp]
+  float* __restrict alpha = run_sum + Mp;             // [Mp] rescale of acct for this block
+  float* __restrict last_pos = alpha + Mp;            // [Mp] position of each vector's row
+
+  const QT* q = static_cast<const QT*>(b.q);
+  const int64_t head_col = it.head * G * D;  // first column of this KV head's query heads
+  const int64_t tok0 = b.q_offset[it.req] + it.row0;
+  const int64_t first_pos = b.prefix[it.req] + it.row0;  // position of the item's first row
+  std::fill(qt, qt + Mp * D, 0.0f);
+  for (int64_t r = 0; r < it.rows; ++r) {
+    const QT* src = q + (tok0 + r) * b.q_stride + head_col;
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t d = 0; d < D; ++d) qt[d * Mp + r * G + g] = load(src[g * D + d]) * b.scale;
+    }
+  }
+  for (int64_t m = 0; m < Mp; ++m) {  // pad vectors take the last row's causal limit
+    last_pos[m] = static_cast<float>(first_pos + std::min(m / G, it.rows - 1));
+  }
+  std::fill(acct, acct + Mp * D, 0.0f);
+  std::fill(zero_row, zero_row + D, 0.0f);
+  std::fill(run_max, run_max + Mp, kNoMax);
+  std::fill(run_sum, run_sum + Mp, 0.0f);
+
+  const KT* kp = static_cast<const KT*>(b.k) + it.head * b.k_head;
+  const KT* vp = static_cast<const KT*>(b.v) + it.head * b.v_head;
+  const int64_t* slots = b.slots + b.pool_row[it.req] * b.slots_stride;
+  const int64_t num_keys = first_pos + it.rows;  // keys seen by the item's last row
+  const float* krow[kKeyBlock + kScoreKeys];
+  const float* vrow[kKeyBlock];
+  for (int64_t t0 = 0; t0 < num_keys; t0 += kKeyBlock) {
+    const int64_t nb = std::min(kKeyBlock, num_keys - t0);
+    for (int64_t t = 0; t < nb; ++t) {
+      const int64_t slot = slots[t0 + t];
+      const KT* kr = kp + slot * b.k_stride;
+      const KT* vr = vp + slot * b.v_stride;
+      if constexpr (std::is_same_v<KT, float>) {
+        krow[t] = kr;
+        vrow[t] = vr;
+      } else {
+        float* kd = kbuf + t * D;
+        float* vd = vbuf + t * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) kd[d] = load(kr[d]);
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) vd[d] = load(vr[d]);
+        krow[t] = kd;
+        vrow[t] = vd;
+      }
+    }
+    // Keys past the last score zero (their positions exceed every row's: masked below).
+    const int64_t nb_tiles = (nb + kScoreKeys - 1) / kScoreKeys * kScoreKeys;
+    for (int64_t t = nb; t < nb_tiles; ++t) krow[t] = zero_row;
+    for (int64_t t = 0; t < nb_tiles; t += kScoreKeys) {
+      int64_t m = 0;
+      for (; m + 2 * kLanes <= Mp; m += 2 * kLanes) {
+        score_tile<2>(qt, krow + t, D, Mp, m, s + t * Mp);
+      }
+      if (m < Mp) score_tile<1>(qt, krow + t, D, Mp, m, s + t * Mp);
+    }
+    // Online softmax per vector of rows: key t0 + t is visible to a row at position >= it.
+    for (int64_t m = 0; m < Mp; m += kLanes) {
+      const v16 lim = loadv(last_pos + m), old_max = loadv(run_max + m);
+      v16 new_max = old_max;
+      for (int64_t t = 0; t < nb; ++t) {
+        const v16 st = loadv(s + t * Mp + m);
+        new_max = (static_cast<float>(t0 + t) <= lim) & (st > new_max) ? st : new_max;
+      }
+      v16 sum = {};
+      for (int64_t t = 0; t < nb; ++t) {
+        const v16 p = exp_nonpositive(loadv(s + t * Mp + m) - new_max);
+        const v16 pm = static_cast<float>(t0 + t) <= lim ? p : v16{};
+        storev(s + t * Mp + m, pm);
+        sum += pm;
+      }
+      const v16 a = exp_nonpositive(old_max - new_max);
+      storev(alpha + m, a);
+      storev(run_sum + m, loadv(run_sum + m) * a + sum);
+      storev(run_max + m, new_max);
+    }
+    for (int64_t d = 0; d < D; d += kValueDims) {
+      int64_t m = 0;
+      for (; m + 2 * kLanes <= Mp; m += 2 * kLanes) {
+        value_tile<2>(s, vrow, nb, d, Mp, m, alpha, acct);
+      }
+      if (m < Mp) value_tile<1>(s, vrow, nb, d, Mp, m, alpha, acct);
+    }
+  }
+
+  QT* out = static_cast<QT*>(b.out);
+  for (int64_t m = 0; m < M; ++m) {
+    const float inv = 1.0f / run_sum[m];
+    QT* dst = out + (tok0 + m / G) * b.out_stride + head_col + (m % G) * D;
+    for (int64_t d = 0; d < D; ++d) store(acct[d * Mp + m] * inv, dst + d);
+  }
+}
+
+template <int kD, typename QT, typename KT>
+void run(const Batch& b, const std::vector<Item>& items) {
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(items.size());
+  const int64_t tasks = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    std::vector<float> buf(buf_floats(b.G, b.D));
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+      attend_item<kD, QT, KT>(b, items[i], buf.data());
+    }
+  });
+}
+
+template <typename QT, typename KT>
+void dispatch_head_dim(const Batch& b, const std::vector<Item>& items) {
+  switch (b.D) {
+    case 64: return run<64, QT, KT>(b, items);
+    case 128: return run<128, QT, KT>(b, items);
+    default: return run<0, QT, KT>(b, items);
+  }
+}
+
+std::vector<int64_t> to_vector(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 1, name, " must be a 1-d CPU tensor");
+  const torch::Tensor c = t.to(at::kLong).contiguous();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+}
+
+bool float_or_bf16(const torch::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
+
+}  // namespace
+
+torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor req_to_token, torch::Tensor req_pool_indices,
+                               torch::Tensor prefix_lens, torch::Tensor extend_lens,
+                               double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                  req_to_token.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.dim() == 2 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
+              "q must be [T, H*D], k_cache/v_cache [S, KVH, D]");
+  TORCH_CHECK(q.stride(1) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1,
+              "the head dim must be contiguous");
+  TORCH_CHECK(float_or_bf16(q) && float_or_bf16(k_cache), "float32 or bfloat16 only");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache differ");
+  const int64_t S = k_cache.size(0), KVH = k_cache.size(1), D = k_cache.size(2);
+  TORCH_CHECK(D % kLanes == 0, "the head dim must be a multiple of 16");
+  TORCH_CHECK(q.size(1) % (KVH * D) == 0, "H*D not a multiple of KVH*D");
+  TORCH_CHECK(req_to_token.dim() == 2 && req_to_token.scalar_type() == at::kLong &&
+                  req_to_token.stride(1) == 1,
+              "req_to_token must be [R, max_ctx] int64 with contiguous rows");
+
+  Batch b;
+  b.pool_row = to_vector(req_pool_indices, "req_pool_indices");
+  b.prefix = to_vector(prefix_lens, "prefix_lens");
+  const std::vector<int64_t> ext = to_vector(extend_lens, "extend_lens");
+  const int64_t B = static_cast<int64_t>(ext.size());
+  TORCH_CHECK(static_cast<int64_t>(b.pool_row.size()) == B &&
+                  static_cast<int64_t>(b.prefix.size()) == B, "batch sizes differ");
+  b.G = q.size(1) / (KVH * D);
+  b.D = D;
+  b.scale = static_cast<float>(scale);
+  b.slots = req_to_token.data_ptr<int64_t>();
+  b.slots_stride = req_to_token.stride(0);
+
+  // Validate every slot that will be read (an out-of-range one would read outside the pool)
+  // and lay out the work items.
+  std::vector<Item> items;
+  int64_t offset = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t row = b.pool_row[i], prefix = b.prefix[i], n = ext[i];
+    TORCH_CHECK(row >= 0 && row < req_to_token.size(0), "req_pool_indices out of range");
+    TORCH_CHECK(prefix >= 0 && n >= 0 && prefix + n <= req_to_token.size(1),
+                "prefix_lens/extend_lens out of range");
+    const int64_t* slots = b.slots + row * b.slots_stride;
+    for (int64_t p = 0; p < prefix + n; ++p) {
+      TORCH_CHECK(slots[p] >= 0 && slots[p] < S, "req_to_token holds a slot outside the pool");
+    }
+    b.q_offset.push_back(offset);
+    offset += n;
+    // Blocks of equal size (e.g. 33 rows -> 17 + 16, not 32 + 1).
+    const int64_t blocks = (n + kQueryRows - 1) / kQueryRows;
+    for (int64_t blk = 0, row0 = 0; blk < blocks; ++blk) {
+      const int64_t rows = (n - row0) / (blocks - blk);
+      const int64_t cost = rows * (prefix + row0 + rows);
+      for (int64_t h = 0; h < KVH; ++h) items.push_back({i, h, row0, rows, cost});
+      row0 += rows;
+    }
+  }
+  TORCH_CHECK(offset == q.size(0), "q has ", q.size(0), " rows, extend_lens sum to ", offset);
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& x, const Item& y) { return x.cost > y.cost; });
+
+  torch::Tensor out = torch::empty({q.size(0), q.size(1)}, q.options());
+  b.q = q.data_ptr();
+  b.out = out.data_ptr();
+  b.k = k_cache.data_ptr();
+  b.v = v_cache.data_ptr();
+  b.q_stride = q.stride(0);
+  b.out_stride = out.stride(0);
+  b.k_stride = k_cache.stride(0);
+  b.k_head = k_cache.stride(1);
+  b.v_stride = v_cache.stride(0);
+  b.v_head = v_cache.stride(1);
+  const bool q32 = q.scalar_type() == at::kFloat, kv32 = k_cache.scalar_type() == at::kFloat;
+  if (q32 && kv32) {
+    dispatch_head_dim<float, float>(b, items);
+  } else if (q32) {
+    dispatch_head_dim<float, uint16_t>(b, items);
+  } else if (kv32) {
+    dispatch_head_dim<uint16_t, float>(b, items);
+  } else {
+    dispatch_head_dim<uint16_t, uint16_t>(b, items);
+  }
+  return out;
+}
+"""
+
+_CPP_DECLARATION = (
+    "torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, "
+    "torch::Tensor v_cache, torch::Tensor req_to_token, torch::Tensor req_pool_indices, "
+    "torch::Tensor prefix_lens, torch::Tensor extend_lens, double scale);"
+)
+
+# The built module once load_kernel() succeeded.
+_module: ModuleType | None = None
+
+
+def load_kernel() -> bool:
+    """Build (or load from torch's extension cache) the kernel once per process
+    (layers/cpu_extension.py). Returns True when :func:`extend_attention` can be used."""
+    global _module
+    if _module is None:
+        _module = build_cpu_extension(
+            "sglang_cpu_extend_attn",
+            _CPP_DECLARATION,
+            _CPP_SOURCE,
+            ["extend_attention"],
+            "CPU prefill-attention kernel",
+        )
+    return _module is not None
+
+
+def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether :func:`extend_attention` can be called on these operands: the kernel is loaded
+    (:func:`load_kernel`), all on CPU, float32/bfloat16, contiguous head dim, a multiple of 16.
+    The caller uses SDPA otherwise."""
+    return (
+        _module is not None
+        and q.device.type == "cpu"
+        and k_cache.device.type == "cpu"
+        and q.dtype in _SUPPORTED_DTYPES
+        and k_cache.dtype in _SUPPORTED_DTYPES
+        and v_cache.dtype == k_cache.dtype
+        and q.stride(-1) == 1
+        and k_cache.stride(-1) == 1
+        and v_cache.stride(-1) == 1
+        and k_cache.shape[-1] % 16 == 0
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal prefill attention for a batch, one call per layer (see the module docstring).
+
+    ``q`` [T, H*D] (any row stride, contiguous columns): the new tokens of all requests,
+    concatenated in batch order (``T == extend_lens.sum()``). ``k_cache``/``v_cache``
+    [S, KVH, D]: one layer's pool buffers, already holding the new tokens' K/V.
+    ``req_to_token`` [R, max_ctx] int64, ``req_pool_indices`` [B] int64, ``prefix_lens`` and
+    ``extend_lens`` [B] int64 CPU tensors. Returns [T, H*D] in ``q``'s dtype, computed in
+    float32. Raises RuntimeError on inconsistent operands (including a slot outside the pool).
+
+    Precondition: :func:`kernel_supports` holds.
+    """
+    assert isinstance(_module, ModuleType), "load_kernel() must succeed first"
+    return _module.extend_attention(
+        q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale
+    )

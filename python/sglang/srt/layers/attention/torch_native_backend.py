@@ -25,7 +25,11 @@ themselves cost ~2 ms each (float32, one thread), which is what the mirror saves
 
 EXTEND loops over requests: a request without a cached prefix attends over its own contiguous
 new K/V with ``is_causal=True``; one with a prefix gathers its full KV and uses an explicit
-bottom-right-aligned causal mask (SDPA's ``is_causal`` is top-left aligned).
+bottom-right-aligned causal mask (SDPA's ``is_causal`` is top-left aligned). On CPU, with the
+kernels enabled, EXTEND is instead one call per layer for the whole batch to the C++ kernel of
+:mod:`sglang.srt.layers.cpu_extend_attention`, which reads each request's K/V in place through
+``req_to_token`` (no gather, no mask) with flash-style tiling; ~1.2-1.8x faster per layer than
+the SDPA loop on one thread.
 
 On CPU the decode SDPA call is replaced by the C++ kernel of
 :mod:`sglang.srt.layers.cpu_decode_attention` (1.5-3.9x faster per layer) once the model runner
@@ -41,6 +45,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from sglang.srt.layers import cpu_extend_attention
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.attention.decode_kv_mirror import DecodeKVMirror, MirrorPlan
 from sglang.srt.layers.cpu_decode_attention import decode_attention, kernel_supports, load_kernel
@@ -113,7 +118,47 @@ class ExtendSegment:
 
 @dataclass
 class ExtendMetadata:
-    segments: list[ExtendSegment]  # one per request, in batch order
+    """Per-batch EXTEND state. The operands of each path are built on first use and kept for
+    the batch's other layers: the SDPA loop's per-request segments (slots and masks), or the
+    CPU kernel's length tensors; a batch normally takes only one path."""
+
+    table: torch.Tensor  # req_to_token
+    pool_rows: torch.Tensor  # [B] int64 req_pool_indices
+    prefix_lens: list[int]  # [B] tokens cached before this step
+    extend_lens: list[int]  # [B] new tokens
+    _segments: list[ExtendSegment] | None = None
+    _kernel_lens: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def segments(self) -> list[ExtendSegment]:
+        """One segment per request, in batch order (the SDPA loop's operands)."""
+        if self._segments is None:
+            self._segments = []
+            q_start = 0
+            for row, new_len, prefix_len in zip(
+                self.pool_rows.tolist(), self.extend_lens, self.prefix_lens
+            ):
+                q_end = q_start + new_len
+                if prefix_len == 0:
+                    self._segments.append(ExtendSegment(q_start, q_end, None, None))
+                else:
+                    seq_len = prefix_len + new_len
+                    # New token j (position prefix_len + j) sees keys 0 .. prefix_len + j.
+                    key_pos = torch.arange(seq_len, device=self.table.device)
+                    query_pos = torch.arange(prefix_len, seq_len, device=self.table.device)
+                    mask = key_pos[None, :] <= query_pos[:, None]
+                    slots = self.table[row, :seq_len]
+                    self._segments.append(ExtendSegment(q_start, q_end, slots, mask))
+                q_start = q_end
+        return self._segments
+
+    def kernel_lens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(prefix_lens, extend_lens)`` as [B] int64 CPU tensors (the CPU kernel's)."""
+        if self._kernel_lens is None:
+            self._kernel_lens = (
+                torch.tensor(self.prefix_lens, dtype=torch.int64),
+                torch.tensor(self.extend_lens, dtype=torch.int64),
+            )
+        return self._kernel_lens
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -128,8 +173,11 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def enable_cpu_decode_kernel(self) -> bool:
         """Build (once per process) and use the CPU decode-attention kernel for decode batches
-        on CPU; returns False, with SDPA kept, where it cannot be built."""
+        on CPU; returns False, with SDPA kept, where it cannot be built. The prefill-attention
+        kernel is built and used with it (where it cannot be built, EXTEND keeps SDPA)."""
         self.uses_cpu_kernel = load_kernel()
+        if self.uses_cpu_kernel:
+            cpu_extend_attention.load_kernel()
         return self.uses_cpu_kernel
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -186,25 +234,12 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     @staticmethod
     def _extend_metadata(forward_batch: ForwardBatch) -> ExtendMetadata:
-        table = forward_batch.req_to_token_pool.req_to_token
-        rows = forward_batch.req_pool_indices.tolist()
-        segments = []
-        q_start = 0
-        for row, new_len, prefix_len in zip(
-            rows, forward_batch.extend_seq_lens_cpu, forward_batch.extend_prefix_lens_cpu
-        ):
-            q_end = q_start + new_len
-            if prefix_len == 0:
-                segments.append(ExtendSegment(q_start, q_end, None, None))
-            else:
-                seq_len = prefix_len + new_len
-                # New token j (absolute position prefix_len + j) sees keys 0 .. prefix_len + j.
-                key_pos = torch.arange(seq_len, device=table.device)
-                query_pos = torch.arange(prefix_len, seq_len, device=table.device)
-                mask = key_pos[None, :] <= query_pos[:, None]
-                segments.append(ExtendSegment(q_start, q_end, table[row, :seq_len], mask))
-            q_start = q_end
-        return ExtendMetadata(segments)
+        return ExtendMetadata(
+            forward_batch.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.extend_prefix_lens_cpu,
+            forward_batch.extend_seq_lens_cpu,
+        )
 
     def forward_decode(
         self,
@@ -293,9 +328,23 @@ class TorchNativeAttnBackend(AttentionBackend):
         k, v = self.store_kv(k, v, layer, forward_batch)
         meta: ExtendMetadata = forward_batch.attn_metadata
         k_cache, v_cache = forward_batch.kv_pool.get_kv_buffer(layer.layer_id)
+        q_rows = q.reshape(-1, layer.num_heads * layer.head_dim)
+        if self.uses_cpu_kernel and cpu_extend_attention.kernel_supports(q_rows, k_cache, v_cache):
+            # One call for the batch, reading K/V in place (the new tokens' are stored above).
+            prefix_lens, extend_lens = meta.kernel_lens()
+            return cpu_extend_attention.extend_attention(
+                q_rows,
+                k_cache,
+                v_cache,
+                meta.table,
+                meta.pool_rows,
+                prefix_lens,
+                extend_lens,
+                layer.scaling,
+            )
         q = q.reshape(-1, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
-        for seg in meta.segments:
+        for seg in meta.segments():
             if seg.slot_ids is None:
                 keys, values = k[seg.q_start : seg.q_end], v[seg.q_start : seg.q_end]
             else:

@@ -57,6 +57,10 @@ _CPP_SOURCE = r"""
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // 16 floats; the compiler splits it into the host's vector registers (one AVX-512 register,
@@ -231,8 +235,10 @@ void attend_item(const Batch& b, const Item& it, float* __restrict buf) {
   const int64_t num_keys = first_pos + it.rows;  // keys seen by the item's last row
   const float* krow[kKeyBlock + kScoreKeys];
   const float* vrow[kKeyBlock];
-  for (int64_t t0 = 0; t0 < num_keys; t0 += kKeyBlock) {
-    const int64_t nb = std::min(kKeyBlock, num_keys - t0);
+  // Blocks end at num_keys (the first one is the short one), so the causal triangle of the
+  // item's rows takes the last block or two instead of straddling one more.
+  for (int64_t t0 = 0, nb = (num_keys - 1) % kKeyBlock + 1; t0 < num_keys;
+       t0 += nb, nb = kKeyBlock) {
     for (int64_t t = 0; t < nb; ++t) {
       const int64_t slot = slots[t0 + t];
       const KT* kr = kp + slot * b.k_stride;
@@ -251,7 +257,8 @@ void attend_item(const Batch& b, const Item& it, float* __restrict buf) {
         vrow[t] = vd;
       }
     }
-    // Keys past the last score zero (their positions exceed every row's: masked below).
+    // Whole tiles of keys: the ones past nb score zero and are never read (the softmax and
+    // p . V stop at nb).
     const int64_t nb_tiles = (nb + kScoreKeys - 1) / kScoreKeys * kScoreKeys;
     for (int64_t t = nb; t < nb_tiles; ++t) krow[t] = zero_row;
     for (int64_t t = 0; t < nb_tiles; t += kScoreKeys) {
@@ -298,14 +305,216 @@ void attend_item(const Batch& b, const Item& it, float* __restrict buf) {
   }
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 queries and K/V on a host with AVX512-BF16: both products take bfloat16 pairs with
+// vdpbf16ps (two multiply-adds per float32 lane, products exact, float32 sums), twice the
+// float32 FMA rate. Queries and K/V are used as stored; p is rounded to bfloat16 for p . V (as
+// SDPA's bfloat16 path does) and the softmax denominators sum the rounded values, so each
+// output is an exact weighted mean of the value rows.
+using u16v = uint32_t __attribute__((vector_size(64)));
+
+inline uint32_t load_pair(const uint16_t* p) {
+  uint32_t x;
+  __builtin_memcpy(&x, p, sizeof x);
+  return x;
+}
+
+inline __m512bh as_bh(u16v x) { return (__m512bh)x; }
+
+// The bfloat16 bits of 16 floats (round to nearest even), in the high halves.
+inline u16v round_bf16_high(v16 x) {
+  u16v bits = (u16v)x;
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return bits & 0xffff0000u;
+}
+
+// s[t][m ...] = scale * sum_i qp[i][m ...] . krow[t][pair i] (pairs of bfloat16 as uint32;
+// qp is [D / 2, Mp]).
+template <int64_t NV>
+inline void score_tile_bf16(const uint32_t* __restrict qp, const uint16_t* const* krow,
+                            int64_t D, int64_t Mp, int64_t m, float scale,
+                            float* __restrict s) {
+  v16 acc[kScoreKeys][NV] = {};
+  for (int64_t i = 0; i < D / 2; ++i) {
+    u16v qv[NV];
+    for (int64_t c = 0; c < NV; ++c) {
+      __builtin_memcpy(&qv[c], qp + i * Mp + m + c * kLanes, sizeof(u16v));
+    }
+    for (int64_t t = 0; t < kScoreKeys; ++t) {
+      const u16v k = u16v{} + load_pair(krow[t] + 2 * i);
+      for (int64_t c = 0; c < NV; ++c) {
+        acc[t][c] = (v16)_mm512_dpbf16_ps((__m512)acc[t][c], as_bh(qv[c]), as_bh(k));
+      }
+    }
+  }
+  for (int64_t t = 0; t < kScoreKeys; ++t) {
+    for (int64_t c = 0; c < NV; ++c) storev(s + t * Mp + m + c * kLanes, acc[t][c] * scale);
+  }
+}
+
+// acct[d ...][m ...] = alpha * acct + sum_j pp[j][m ...] . vp[j][d ...] over key pairs j
+// (pp [kKeyBlock / 2, Mp] and vp [kKeyBlock / 2, D]: pairs of bfloat16 as uint32).
+template <int64_t NV>
+inline void value_tile_bf16(const uint32_t* __restrict pp, const uint32_t* __restrict vp,
+                            int64_t pairs, int64_t d, int64_t D, int64_t Mp, int64_t m,
+                            const float* __restrict alpha, float* __restrict acct) {
+  v16 a[kValueDims][NV];
+  for (int64_t c = 0; c < NV; ++c) {
+    const v16 al = loadv(alpha + m + c * kLanes);
+    for (int64_t i = 0; i < kValueDims; ++i) {
+      a[i][c] = loadv(acct + (d + i) * Mp + m + c * kLanes) * al;
+    }
+  }
+  for (int64_t j = 0; j < pairs; ++j) {
+    u16v pv[NV];
+    for (int64_t c = 0; c < NV; ++c) {
+      __builtin_memcpy(&pv[c], pp + j * Mp + m + c * kLanes, sizeof(u16v));
+    }
+    for (int64_t i = 0; i < kValueDims; ++i) {
+      const u16v v = u16v{} + vp[j * D + d + i];
+      for (int64_t c = 0; c < NV; ++c) {
+        a[i][c] = (v16)_mm512_dpbf16_ps((__m512)a[i][c], as_bh(pv[c]), as_bh(v));
+      }
+    }
+  }
+  for (int64_t i = 0; i < kValueDims; ++i) {
+    for (int64_t c = 0; c < NV; ++c) storev(acct + (d + i) * Mp + m + c * kLanes, a[i][c]);
+  }
+}
+
+// Scratch floats for one item of up to kQueryRows rows on the bfloat16 path.
+inline int64_t buf_floats_bf16(int64_t G, int64_t D) {
+  const int64_t m = padded_rows(kQueryRows, G);
+  return m * D / 2 + m * D + m * kKeyBlock + m * kKeyBlock / 2 + kKeyBlock * D / 2 + D +
+         4 * m;
+}
+
+template <int kD>
+void attend_item_bf16(const Batch& b, const Item& it, float* __restrict buf) {
+  const int64_t D = kD ? kD : b.D, G = b.G;
+  const int64_t M = it.rows * G, Mp = padded_rows(it.rows, G);
+  uint32_t* __restrict qp = reinterpret_cast<uint32_t*>(buf);  // [D / 2, Mp] query pairs
+  float* __restrict acct = buf + Mp * D / 2;                     // [D, Mp] unnormalised
+  float* __restrict s = acct + Mp * D;                           // [kKeyBlock, Mp] scores
+  uint32_t* __restrict pp = reinterpret_cast<uint32_t*>(s + Mp * kKeyBlock);  // p pairs
+  uint32_t* __restrict vp = pp + Mp * kKeyBlock / 2;  // [kKeyBlock / 2, D] value pairs
+  uint16_t* __restrict zero_row = reinterpret_cast<uint16_t*>(vp + kKeyBlock * D / 2);
+  float* __restrict run_max = reinterpret_cast<float*>(zero_row) + D;  // [Mp]
+  float* __restrict run_sum = run_max + Mp;
+  float* __restrict alpha = run_sum + Mp;
+  float* __restrict last_pos = alpha + Mp;
+
+  const uint16_t* q = static_cast<const uint16_t*>(b.q);
+  const int64_t head_col = it.head * G * D;
+  const int64_t tok0 = b.q_offset[it.req] + it.row0;
+  const int64_t first_pos = b.prefix[it.req] + it.row0;
+  std::fill(qp, qp + Mp * D / 2, 0u);
+  for (int64_t r = 0; r < it.rows; ++r) {
+    const uint16_t* src = q + (tok0 + r) * b.q_stride + head_col;
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t i = 0; i < D / 2; ++i) qp[i * Mp + r * G + g] = load_pair(src + g * D + 2 * i);
+    }
+  }
+  for (int64_t m = 0; m < Mp; ++m) {
+    last_pos[m] = static_cast<float>(first_pos + std::min(m / G, it.rows - 1));
+  }
+  std::fill(acct, acct + Mp * D, 0.0f);
+  std::fill(zero_row, zero_row + D, uint16_t{0});
+  std::fill(run_max, run_max + Mp, kNoMax);
+  std::fill(run_sum, run_sum + Mp, 0.0f);
+
+  const uint16_t* kbase = static_cast<const uint16_t*>(b.k) + it.head * b.k_head;
+  const uint16_t* vbase = static_cast<const uint16_t*>(b.v) + it.head * b.v_head;
+  const int64_t* slots = b.slots + b.pool_row[it.req] * b.slots_stride;
+  const int64_t num_keys = first_pos + it.rows;
+  const uint16_t* krow[kKeyBlock + kScoreKeys];
+  for (int64_t t0 = 0, nb = (num_keys - 1) % kKeyBlock + 1; t0 < num_keys;
+       t0 += nb, nb = kKeyBlock) {
+    const int64_t pairs = (nb + 1) / 2;
+    for (int64_t j = 0; j < pairs; ++j) {
+      const uint16_t* v0 = vbase + slots[t0 + 2 * j] * b.v_stride;
+      const uint16_t* v1 = 2 * j + 1 < nb ? vbase + slots[t0 + 2 * j + 1] * b.v_stride : zero_row;
+      uint32_t* dst = vp + j * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) dst[d] = v0[d] | (static_cast<uint32_t>(v1[d]) << 16);
+    }
+    for (int64_t t = 0; t < nb; ++t) krow[t] = kbase + slots[t0 + t] * b.k_stride;
+    const int64_t nb_tiles = (nb + kScoreKeys - 1) / kScoreKeys * kScoreKeys;
+    for (int64_t t = nb; t < nb_tiles; ++t) krow[t] = zero_row;
+    for (int64_t t = 0; t < nb_tiles; t += kScoreKeys) {
+      int64_t m = 0;
+      for (; m + 2 * kLanes <= Mp; m += 2 * kLanes) {
+        score_tile_bf16<2>(qp, krow + t, D, Mp, m, b.scale, s + t * Mp);
+      }
+      if (m < Mp) score_tile_bf16<1>(qp, krow + t, D, Mp, m, b.scale, s + t * Mp);
+    }
+    for (int64_t m = 0; m < Mp; m += kLanes) {
+      const v16 lim = loadv(last_pos + m), old_max = loadv(run_max + m);
+      v16 new_max = old_max;
+      for (int64_t t = 0; t < nb; ++t) {
+        const v16 st = loadv(s + t * Mp + m);
+        new_max = (static_cast<float>(t0 + t) <= lim) & (st > new_max) ? st : new_max;
+      }
+      v16 sum = {};
+      for (int64_t j = 0; j < pairs; ++j) {
+        u16v half[2];
+        for (int64_t e = 0; e < 2; ++e) {
+          const int64_t t = 2 * j + e;
+          const v16 p = exp_nonpositive(loadv(s + t * Mp + m) - new_max);
+          const v16 pm = static_cast<float>(t0 + t) <= lim ? p : v16{};
+          // an odd block's last pair has one key
+          half[e] = t < nb ? round_bf16_high(pm) : u16v{};
+          sum += (v16)half[e];
+        }
+        const u16v packed = (half[0] >> 16) | half[1];
+        __builtin_memcpy(pp + j * Mp + m, &packed, sizeof packed);
+      }
+      const v16 a = exp_nonpositive(old_max - new_max);
+      storev(alpha + m, a);
+      storev(run_sum + m, loadv(run_sum + m) * a + sum);
+      storev(run_max + m, new_max);
+    }
+    for (int64_t d = 0; d < D; d += kValueDims) {
+      int64_t m = 0;
+      for (; m + 2 * kLanes <= Mp; m += 2 * kLanes) {
+        value_tile_bf16<2>(pp, vp, pairs, d, D, Mp, m, alpha, acct);
+      }
+      if (m < Mp) value_tile_bf16<1>(pp, vp, pairs, d, D, Mp, m, alpha, acct);
+    }
+  }
+
+  uint16_t* out = static_cast<uint16_t*>(b.out);
+  for (int64_t m = 0; m < M; ++m) {
+    const float inv = 1.0f / run_sum[m];
+    uint16_t* dst = out + (tok0 + m / G) * b.out_stride + head_col + (m % G) * D;
+    for (int64_t d = 0; d < D; ++d) store(acct[d * Mp + m] * inv, dst + d);
+  }
+}
+#endif  // __AVX512BF16__
+
 template <int kD, typename QT, typename KT>
 void run(const Batch& b, const std::vector<Item>& items) {
+#if defined(__AVX512BF16__)
+  constexpr bool kDot = std::is_same_v<QT, uint16_t> && std::is_same_v<KT, uint16_t>;
+#else
+  constexpr bool kDot = false;
+#endif
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(items.size());
   const int64_t tasks = std::min<int64_t>(at::get_num_threads(), n);
+  int64_t floats = buf_floats(b.G, b.D);
+#if defined(__AVX512BF16__)
+  if constexpr (kDot) floats = buf_floats_bf16(b.G, b.D);
+#endif
   at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
-    std::vector<float> buf(buf_floats(b.G, b.D));
+    std::vector<float> buf(floats);
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+#if defined(__AVX512BF16__)
+      if constexpr (kDot) {
+        attend_item_bf16<kD>(b, items[i], buf.data());
+        continue;
+      }
+#endif
       attend_item<kD, QT, KT>(b, items[i], buf.data());
     }
   });

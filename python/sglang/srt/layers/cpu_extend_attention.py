@@ -11,26 +11,34 @@ Contract (:func:`extend_attention`): the batch's new tokens are concatenated in 
 (absolute position ``prefix_lens[i] + j``) attends to the keys at positions
 ``0 .. prefix_lens[i] + j`` (causal, bottom-right aligned), key ``pos`` living in slot
 ``req_to_token[req_pool_indices[i], pos]`` of the layer's ``k_cache``/``v_cache`` [S, KVH, D].
-Query head ``hq`` uses KV head ``hq // (H / KVH)``. The output has ``q``'s dtype; everything
-in between is float32.
+Query head ``hq`` uses KV head ``hq // (H / KVH)``. The output has ``q``'s dtype; sums and the
+softmax are float32 (products too, but for the bfloat16 path below).
 
 Algorithm (flash-style tiling with an online softmax):
 
-* Work items are (request, KV head, block of up to ``kQueryRows`` new tokens), longest first;
-  one task per torch thread pulls them from an atomic counter, so a long request does not
-  leave the other threads idle at the end. Items are independent, so the result does not
-  depend on the thread count.
-* An item holds its ``M = rows * G`` query vectors (the G query heads of the KV head for each
-  row, pre-scaled, float32) and walks the keys it may see in blocks of ``kKeyBlock``: the block
-  of K is converted to float32 and transposed once (``[D, kKeyBlock]``), so every query of the
-  item reuses it; scores are a register-tiled product (``kScoreRows`` queries x the block);
-  then per query the running max and sum are updated (keys past the query's causal limit get
-  probability 0), the accumulator is rescaled and ``p . V`` added in register tiles
-  (``kValueRows`` queries x 64 columns). Each K/V row is thus read once per item, not once
-  per query.
-* ``exp`` is a degree-6 polynomial on a range reduction (relative error < 2e-7), vectorised by
-  the compiler. The tiles use GCC vector extensions (16 floats), which the compiler lowers to
-  AVX-512, AVX2 or NEON for the host (``-O3 -march=native``); no intrinsics.
+* Work items are (request, KV head, block of up to ``kQueryRows`` new tokens, blocks of equal
+  size), longest first; one task per torch thread pulls them from an atomic counter, so a long
+  request does not leave the other threads idle at the end. Items are independent, so the
+  result does not depend on the thread count.
+* An item's ``rows * G`` query vectors (the G query heads of its KV head for each row) are
+  stored transposed, ``[D, M]`` with the query index innermost (padded to 16), so every step
+  below runs down vectors of 16 queries: the softmax needs no horizontal reduction, and K/V
+  rows are used as they lie in the pool (float32) or converted once per block (bfloat16), one
+  broadcast element at a time.
+* The keys the item's last row sees are walked in blocks of ``kKeyBlock`` (aligned to end at
+  that row, so the causal diagonal takes as few blocks as possible). Per block and per tile of
+  32 queries, only the keys the tile's last row sees: scores ``kScoreKeys`` keys x 32 queries
+  in registers; per query the running max and sum are updated (keys past the query's position
+  get probability 0); the accumulator is rescaled and ``p . V`` added, ``kValueDims`` columns x
+  32 queries in registers. Each K/V row is read once per item, not once per query.
+* ``exp`` is a degree-6 polynomial on a range reduction (relative error < 2e-7). The tiles use
+  GCC vector extensions (16 floats), which the compiler lowers to AVX-512, AVX2 or NEON for
+  the host (``-O3 -march=native``).
+* With bfloat16 queries and K/V on a host with AVX512-BF16 (only where the compiler defines
+  ``__AVX512BF16__``), both products use ``vdpbf16ps`` (bfloat16 pairs, exact products,
+  float32 sums): twice the float32 FMA rate. There ``p`` is rounded to bfloat16 for ``p . V``
+  (as SDPA's bfloat16 path does) and the denominators sum the rounded values. Elsewhere all
+  arithmetic is float32 on the converted values.
 
 bfloat16 is handled as raw 16 bits (the high half of a float32). The head dim must be a
 multiple of 16 (:func:`kernel_supports`); 64 and 128 get loops of a fixed trip count.
@@ -214,12 +222,15 @@ void attend_item(const Batch& b, const Item& it, float* __restrict buf) {
   const int64_t head_col = it.head * G * D;  // first column of this KV head's query heads
   const int64_t tok0 = b.q_offset[it.req] + it.row0;
   const int64_t first_pos = b.prefix[it.req] + it.row0;  // position of the item's first row
-  std::fill(qt, qt + Mp * D, 0.0f);
-  for (int64_t r = 0; r < it.rows; ++r) {
-    const QT* src = q + (tok0 + r) * b.q_stride + head_col;
-    for (int64_t g = 0; g < G; ++g) {
-      for (int64_t d = 0; d < D; ++d) qt[d * Mp + r * G + g] = load(src[g * D + d]) * b.scale;
+  // Transposed with contiguous stores (strided stores would each touch another cache line).
+  const QT* q_item = q + tok0 * b.q_stride + head_col;
+  for (int64_t d = 0; d < D; ++d) {
+    float* dst = qt + d * Mp;
+    for (int64_t r = 0; r < it.rows; ++r) {
+      for (int64_t g = 0; g < G; ++g) dst[r * G + g] = load(q_item[r * b.q_stride + g * D + d]);
     }
+    for (int64_t m = 0; m < M; ++m) dst[m] *= b.scale;
+    std::fill(dst + M, dst + Mp, 0.0f);
   }
   for (int64_t m = 0; m < Mp; ++m) {  // pad vectors take the last row's causal limit
     last_pos[m] = static_cast<float>(first_pos + std::min(m / G, it.rows - 1));
@@ -261,39 +272,48 @@ void attend_item(const Batch& b, const Item& it, float* __restrict buf) {
     // p . V stop at nb).
     const int64_t nb_tiles = (nb + kScoreKeys - 1) / kScoreKeys * kScoreKeys;
     for (int64_t t = nb; t < nb_tiles; ++t) krow[t] = zero_row;
-    for (int64_t t = 0; t < nb_tiles; t += kScoreKeys) {
-      int64_t m = 0;
-      for (; m + 2 * kLanes <= Mp; m += 2 * kLanes) {
-        score_tile<2>(qt, krow + t, D, Mp, m, s + t * Mp);
+    // Per tile of rows (two vectors, the last maybe one), only the keys its last row sees:
+    // the causal triangle on the diagonal costs half a block, not a whole one. A tile that
+    // sees none of the block keeps its state as it is.
+    for (int64_t m0 = 0; m0 < Mp; m0 += 2 * kLanes) {
+      const int64_t nv = std::min<int64_t>(2, (Mp - m0) / kLanes);
+      const int64_t last_row = std::min((m0 + nv * kLanes - 1) / G, it.rows - 1);
+      const int64_t kl = std::clamp<int64_t>(first_pos + last_row + 1 - t0, 0, nb);
+      if (kl == 0) continue;
+      for (int64_t t = 0; t < kl; t += kScoreKeys) {
+        if (nv == 2) {
+          score_tile<2>(qt, krow + t, D, Mp, m0, s + t * Mp);
+        } else {
+          score_tile<1>(qt, krow + t, D, Mp, m0, s + t * Mp);
+        }
       }
-      if (m < Mp) score_tile<1>(qt, krow + t, D, Mp, m, s + t * Mp);
-    }
-    // Online softmax per vector of rows: key t0 + t is visible to a row at position >= it.
-    for (int64_t m = 0; m < Mp; m += kLanes) {
-      const v16 lim = loadv(last_pos + m), old_max = loadv(run_max + m);
-      v16 new_max = old_max;
-      for (int64_t t = 0; t < nb; ++t) {
-        const v16 st = loadv(s + t * Mp + m);
-        new_max = (static_cast<float>(t0 + t) <= lim) & (st > new_max) ? st : new_max;
+      // Online softmax per vector of rows: key t0 + t is visible to a row at position >= it.
+      for (int64_t m = m0; m < m0 + nv * kLanes; m += kLanes) {
+        const v16 lim = loadv(last_pos + m), old_max = loadv(run_max + m);
+        v16 new_max = old_max;
+        for (int64_t t = 0; t < kl; ++t) {
+          const v16 st = loadv(s + t * Mp + m);
+          new_max = (static_cast<float>(t0 + t) <= lim) & (st > new_max) ? st : new_max;
+        }
+        v16 sum = {};
+        for (int64_t t = 0; t < kl; ++t) {
+          const v16 p = exp_nonpositive(loadv(s + t * Mp + m) - new_max);
+          const v16 pm = static_cast<float>(t0 + t) <= lim ? p : v16{};
+          storev(s + t * Mp + m, pm);
+          sum += pm;
+        }
+        const v16 a = exp_nonpositive(old_max - new_max);
+        storev(alpha + m, a);
+        storev(run_sum + m, loadv(run_sum + m) * a + sum);
+        storev(run_max + m, new_max);
       }
-      v16 sum = {};
-      for (int64_t t = 0; t < nb; ++t) {
-        const v16 p = exp_nonpositive(loadv(s + t * Mp + m) - new_max);
-        const v16 pm = static_cast<float>(t0 + t) <= lim ? p : v16{};
-        storev(s + t * Mp + m, pm);
-        sum += pm;
+      for (int64_t d = 0; d < D; d += kValueDims) {
+        if (nv == 2) {
+          value_tile<2>(s, vrow, kl, d, Mp, m0, alpha, acct);
+        } else {
+          value_tile<1>(s, vrow, kl, d, Mp, m0, alpha, acct);
+        }
       }
-      const v16 a = exp_nonpositive(old_max - new_max);
-      storev(alpha + m, a);
-      storev(run_sum + m, loadv(run_sum + m) * a + sum);
-      storev(run_max + m, new_max);
-    }
-    for (int64_t d = 0; d < D; d += kValueDims) {
-      int64_t m = 0;
-      for (; m + 2 * kLanes <= Mp; m += 2 * kLanes) {
-        value_tile<2>(s, vrow, nb, d, Mp, m, alpha, acct);
-      }
-      if (m < Mp) value_tile<1>(s, vrow, nb, d, Mp, m, alpha, acct);
     }
   }
 
@@ -408,12 +428,15 @@ void attend_item_bf16(const Batch& b, const Item& it, float* __restrict buf) {
   const int64_t head_col = it.head * G * D;
   const int64_t tok0 = b.q_offset[it.req] + it.row0;
   const int64_t first_pos = b.prefix[it.req] + it.row0;
-  std::fill(qp, qp + Mp * D / 2, 0u);
-  for (int64_t r = 0; r < it.rows; ++r) {
-    const uint16_t* src = q + (tok0 + r) * b.q_stride + head_col;
-    for (int64_t g = 0; g < G; ++g) {
-      for (int64_t i = 0; i < D / 2; ++i) qp[i * Mp + r * G + g] = load_pair(src + g * D + 2 * i);
+  const uint16_t* q_item = q + tok0 * b.q_stride + head_col;
+  for (int64_t i = 0; i < D / 2; ++i) {  // contiguous stores, as in attend_item
+    uint32_t* dst = qp + i * Mp;
+    for (int64_t r = 0; r < it.rows; ++r) {
+      for (int64_t g = 0; g < G; ++g) {
+        dst[r * G + g] = load_pair(q_item + r * b.q_stride + g * D + 2 * i);
+      }
     }
+    std::fill(dst + M, dst + Mp, 0u);
   }
   for (int64_t m = 0; m < Mp; ++m) {
     last_pos[m] = static_cast<float>(first_pos + std::min(m / G, it.rows - 1));
@@ -430,8 +453,7 @@ void attend_item_bf16(const Batch& b, const Item& it, float* __restrict buf) {
   const uint16_t* krow[kKeyBlock + kScoreKeys];
   for (int64_t t0 = 0, nb = (num_keys - 1) % kKeyBlock + 1; t0 < num_keys;
        t0 += nb, nb = kKeyBlock) {
-    const int64_t pairs = (nb + 1) / 2;
-    for (int64_t j = 0; j < pairs; ++j) {
+    for (int64_t j = 0; j < (nb + 1) / 2; ++j) {
       const uint16_t* v0 = vbase + slots[t0 + 2 * j] * b.v_stride;
       const uint16_t* v1 = 2 * j + 1 < nb ? vbase + slots[t0 + 2 * j + 1] * b.v_stride : zero_row;
       uint32_t* dst = vp + j * D;
@@ -441,45 +463,52 @@ void attend_item_bf16(const Batch& b, const Item& it, float* __restrict buf) {
     for (int64_t t = 0; t < nb; ++t) krow[t] = kbase + slots[t0 + t] * b.k_stride;
     const int64_t nb_tiles = (nb + kScoreKeys - 1) / kScoreKeys * kScoreKeys;
     for (int64_t t = nb; t < nb_tiles; ++t) krow[t] = zero_row;
-    for (int64_t t = 0; t < nb_tiles; t += kScoreKeys) {
-      int64_t m = 0;
-      for (; m + 2 * kLanes <= Mp; m += 2 * kLanes) {
-        score_tile_bf16<2>(qp, krow + t, D, Mp, m, b.scale, s + t * Mp);
-      }
-      if (m < Mp) score_tile_bf16<1>(qp, krow + t, D, Mp, m, b.scale, s + t * Mp);
-    }
-    for (int64_t m = 0; m < Mp; m += kLanes) {
-      const v16 lim = loadv(last_pos + m), old_max = loadv(run_max + m);
-      v16 new_max = old_max;
-      for (int64_t t = 0; t < nb; ++t) {
-        const v16 st = loadv(s + t * Mp + m);
-        new_max = (static_cast<float>(t0 + t) <= lim) & (st > new_max) ? st : new_max;
-      }
-      v16 sum = {};
-      for (int64_t j = 0; j < pairs; ++j) {
-        u16v half[2];
-        for (int64_t e = 0; e < 2; ++e) {
-          const int64_t t = 2 * j + e;
-          const v16 p = exp_nonpositive(loadv(s + t * Mp + m) - new_max);
-          const v16 pm = static_cast<float>(t0 + t) <= lim ? p : v16{};
-          // an odd block's last pair has one key
-          half[e] = t < nb ? round_bf16_high(pm) : u16v{};
-          sum += (v16)half[e];
+    for (int64_t m0 = 0; m0 < Mp; m0 += 2 * kLanes) {  // tiles of rows as in attend_item
+      const int64_t nv = std::min<int64_t>(2, (Mp - m0) / kLanes);
+      const int64_t last_row = std::min((m0 + nv * kLanes - 1) / G, it.rows - 1);
+      const int64_t kl = std::clamp<int64_t>(first_pos + last_row + 1 - t0, 0, nb);
+      if (kl == 0) continue;
+      for (int64_t t = 0; t < kl; t += kScoreKeys) {
+        if (nv == 2) {
+          score_tile_bf16<2>(qp, krow + t, D, Mp, m0, b.scale, s + t * Mp);
+        } else {
+          score_tile_bf16<1>(qp, krow + t, D, Mp, m0, b.scale, s + t * Mp);
         }
-        const u16v packed = (half[0] >> 16) | half[1];
-        __builtin_memcpy(pp + j * Mp + m, &packed, sizeof packed);
       }
-      const v16 a = exp_nonpositive(old_max - new_max);
-      storev(alpha + m, a);
-      storev(run_sum + m, loadv(run_sum + m) * a + sum);
-      storev(run_max + m, new_max);
-    }
-    for (int64_t d = 0; d < D; d += kValueDims) {
-      int64_t m = 0;
-      for (; m + 2 * kLanes <= Mp; m += 2 * kLanes) {
-        value_tile_bf16<2>(pp, vp, pairs, d, D, Mp, m, alpha, acct);
+      const int64_t pairs = (kl + 1) / 2;
+      for (int64_t m = m0; m < m0 + nv * kLanes; m += kLanes) {
+        const v16 lim = loadv(last_pos + m), old_max = loadv(run_max + m);
+        v16 new_max = old_max;
+        for (int64_t t = 0; t < kl; ++t) {
+          const v16 st = loadv(s + t * Mp + m);
+          new_max = (static_cast<float>(t0 + t) <= lim) & (st > new_max) ? st : new_max;
+        }
+        v16 sum = {};
+        for (int64_t j = 0; j < pairs; ++j) {
+          u16v half[2];
+          for (int64_t e = 0; e < 2; ++e) {
+            const int64_t t = 2 * j + e;
+            const v16 p = exp_nonpositive(loadv(s + t * Mp + m) - new_max);
+            const v16 pm = static_cast<float>(t0 + t) <= lim ? p : v16{};
+            // with an odd kl the last pair has one key (its partner's score is not computed)
+            half[e] = t < kl ? round_bf16_high(pm) : u16v{};
+            sum += (v16)half[e];
+          }
+          const u16v packed = (half[0] >> 16) | half[1];
+          __builtin_memcpy(pp + j * Mp + m, &packed, sizeof packed);
+        }
+        const v16 a = exp_nonpositive(old_max - new_max);
+        storev(alpha + m, a);
+        storev(run_sum + m, loadv(run_sum + m) * a + sum);
+        storev(run_max + m, new_max);
       }
-      if (m < Mp) value_tile_bf16<1>(pp, vp, pairs, d, D, Mp, m, alpha, acct);
+      for (int64_t d = 0; d < D; d += kValueDims) {
+        if (nv == 2) {
+          value_tile_bf16<2>(pp, vp, pairs, d, D, Mp, m0, alpha, acct);
+        } else {
+          value_tile_bf16<1>(pp, vp, pairs, d, D, Mp, m0, alpha, acct);
+        }
+      }
     }
   }
 
@@ -685,7 +714,7 @@ def extend_attention(
     concatenated in batch order (``T == extend_lens.sum()``). ``k_cache``/``v_cache``
     [S, KVH, D]: one layer's pool buffers, already holding the new tokens' K/V.
     ``req_to_token`` [R, max_ctx] int64, ``req_pool_indices`` [B] int64, ``prefix_lens`` and
-    ``extend_lens`` [B] int64 CPU tensors. Returns [T, H*D] in ``q``'s dtype, computed in
+    ``extend_lens`` [B] int64 CPU tensors. Returns [T, H*D] in ``q``'s dtype, accumulated in
     float32. Raises RuntimeError on inconsistent operands (including a slot outside the pool).
 
     Precondition: :func:`kernel_supports` holds.

@@ -164,10 +164,11 @@ class ServerArgs:
     )
     disable_cpu_attention_kernel: bool = _arg(
         False,
-        "On CPU, run decode attention with torch SDPA instead of the C++ decode-attention "
-        "kernel (compiled at model load and cached in torch's extensions directory; 1.5-3.9x "
-        "faster per layer than SDPA, see docs/performance.md). Where the kernel cannot be "
-        "built, SDPA is used anyway with a warning.",
+        "On CPU, run decode and prefill attention with torch SDPA instead of the C++ decode- "
+        "and prefill-attention kernels (compiled at model load and cached in torch's "
+        "extensions directory; per layer 1.5-3.9x faster than SDPA for decode and "
+        "1.3-3.6x for prefill, see docs/performance.md). Where a kernel cannot be built, "
+        "SDPA is used anyway with a warning.",
     )
     cpu_bf16_linear: str = _arg(
         "auto",

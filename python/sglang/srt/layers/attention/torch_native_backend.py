@@ -28,8 +28,8 @@ new K/V with ``is_causal=True``; one with a prefix gathers its full KV and uses 
 bottom-right-aligned causal mask (SDPA's ``is_causal`` is top-left aligned). On CPU, with the
 kernels enabled, EXTEND is instead one call per layer for the whole batch to the C++ kernel of
 :mod:`sglang.srt.layers.cpu_extend_attention`, which reads each request's K/V in place through
-``req_to_token`` (no gather, no mask) with flash-style tiling; ~1.2-1.8x faster per layer than
-the SDPA loop on one thread.
+``req_to_token`` (no gather, no mask) with flash-style tiling: per layer 1.3-2.2x faster than
+the SDPA loop in float32 and 2-3.6x in bfloat16 (docs/performance.md).
 
 On CPU the decode SDPA call is replaced by the C++ kernel of
 :mod:`sglang.srt.layers.cpu_decode_attention` (1.5-3.9x faster per layer) once the model runner

@@ -86,6 +86,7 @@ def _reference(
         (torch.float32, torch.float32),
         (torch.bfloat16, torch.bfloat16),
         (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
     ],
 )
 def test_matches_sdpa(

@@ -99,7 +99,8 @@ class ModelRunner:
             and backend == "torch_native"
             and not server_args.disable_cpu_attention_kernel
         ):
-            # Builds the C++ decode-attention kernel now (cached across runs), not mid-decode.
+            # Builds the C++ decode- and prefill-attention kernels now (cached across runs), not
+            # mid-serving.
             self.attn_backend.enable_cpu_decode_kernel()
         logsumexp = get_logsumexp(server_args.sampling_backend)
         for module in self.model.modules():

@@ -93,7 +93,7 @@ inline void store(float x, uint16_t* dst) {
   *dst = static_cast<uint16_t>(bits >> 16);
 }
 
-using i16 = int32_t __attribute__((vector_size(64)));
+using v16i = int32_t __attribute__((vector_size(64)));  // 16 int32 (exp's exponent bits)
 
 // exp(x) for x <= 0, 16 lanes: 2^n * e^r with n = round(x / ln 2) (rounded by adding and
 // subtracting 1.5 * 2^23), |r| <= ln 2 / 2, e^r by its Taylor polynomial of degree 6 (relative
@@ -106,14 +106,14 @@ inline v16 exp_nonpositive(v16 x) {
   const v16 p =
       1.0f + r * (1.0f + r * (0.5f + r * (1.6666667e-1f + r * (4.1666668e-2f +
       r * (8.3333338e-3f + r * 1.3888889e-3f)))));
-  return p * (v16)((__builtin_convertvector(n, i16) + 127) << 23);
+  return p * (v16)((__builtin_convertvector(n, v16i) + 127) << 23);
 }
 
 constexpr int64_t kKeyBlock = 32;   // keys per block of the online softmax
 constexpr int64_t kQueryRows = 32;  // new tokens per work item (at most)
 // Register tiles, in 16-float vectors over query vectors (rows): scores kScoreKeys keys x two
-// vectors, p . V kValueDims columns x two vectors. AVX-512 has 32 vector registers; AVX2 and
-// NEON effectively 8 of 16 floats.
+// vectors, p . V kValueDims columns x two vectors: 16 accumulators fit AVX-512's 32 registers;
+// AVX2's 16 and NEON's 32 hold only 8 of these 16-float vectors, hence half the tile.
 #if defined(__AVX512F__)
 constexpr int64_t kScoreKeys = 8;
 constexpr int64_t kValueDims = 8;
@@ -121,7 +121,9 @@ constexpr int64_t kValueDims = 8;
 constexpr int64_t kScoreKeys = 4;
 constexpr int64_t kValueDims = 4;
 #endif
-constexpr float kNoMax = -1e30f;  // running max before any key (its exp(. - x) is 0)
+// Running max before any key: the first block's rescale exp(kNoMax - max) is ~0 and multiplies
+// the zeroed accumulators and sums.
+constexpr float kNoMax = -1e30f;
 
 // s[t][m, m + 16 NV) = sum_d qt[d][m ...] * krow[t][d] for kScoreKeys keys (rows of D floats;
 // qt is [D, Mp], s is [kKeyBlock, Mp]).
@@ -331,7 +333,7 @@ void attend_item(const Batch& b, const Item& it, float* __restrict buf) {
 // float32 FMA rate. Queries and K/V are used as stored; p is rounded to bfloat16 for p . V (as
 // SDPA's bfloat16 path does) and the softmax denominators sum the rounded values, so each
 // output is an exact weighted mean of the value rows.
-using u16v = uint32_t __attribute__((vector_size(64)));
+using v16u = uint32_t __attribute__((vector_size(64)));  // 16 pairs of bfloat16
 
 inline uint32_t load_pair(const uint16_t* p) {
   uint32_t x;
@@ -339,11 +341,11 @@ inline uint32_t load_pair(const uint16_t* p) {
   return x;
 }
 
-inline __m512bh as_bh(u16v x) { return (__m512bh)x; }
+inline __m512bh as_bh(v16u x) { return (__m512bh)x; }
 
 // The bfloat16 bits of 16 floats (round to nearest even), in the high halves.
-inline u16v round_bf16_high(v16 x) {
-  u16v bits = (u16v)x;
+inline v16u round_bf16_high(v16 x) {
+  v16u bits = (v16u)x;
   bits += 0x7fffu + ((bits >> 16) & 1u);
   return bits & 0xffff0000u;
 }
@@ -356,12 +358,12 @@ inline void score_tile_bf16(const uint32_t* __restrict qp, const uint16_t* const
                             float* __restrict s) {
   v16 acc[kScoreKeys][NV] = {};
   for (int64_t i = 0; i < D / 2; ++i) {
-    u16v qv[NV];
+    v16u qv[NV];
     for (int64_t c = 0; c < NV; ++c) {
-      __builtin_memcpy(&qv[c], qp + i * Mp + m + c * kLanes, sizeof(u16v));
+      __builtin_memcpy(&qv[c], qp + i * Mp + m + c * kLanes, sizeof(v16u));
     }
     for (int64_t t = 0; t < kScoreKeys; ++t) {
-      const u16v k = u16v{} + load_pair(krow[t] + 2 * i);
+      const v16u k = v16u{} + load_pair(krow[t] + 2 * i);
       for (int64_t c = 0; c < NV; ++c) {
         acc[t][c] = (v16)_mm512_dpbf16_ps((__m512)acc[t][c], as_bh(qv[c]), as_bh(k));
       }
@@ -386,12 +388,12 @@ inline void value_tile_bf16(const uint32_t* __restrict pp, const uint32_t* __res
     }
   }
   for (int64_t j = 0; j < pairs; ++j) {
-    u16v pv[NV];
+    v16u pv[NV];
     for (int64_t c = 0; c < NV; ++c) {
-      __builtin_memcpy(&pv[c], pp + j * Mp + m + c * kLanes, sizeof(u16v));
+      __builtin_memcpy(&pv[c], pp + j * Mp + m + c * kLanes, sizeof(v16u));
     }
     for (int64_t i = 0; i < kValueDims; ++i) {
-      const u16v v = u16v{} + vp[j * D + d + i];
+      const v16u v = v16u{} + vp[j * D + d + i];
       for (int64_t c = 0; c < NV; ++c) {
         a[i][c] = (v16)_mm512_dpbf16_ps((__m512)a[i][c], as_bh(pv[c]), as_bh(v));
       }
@@ -485,16 +487,16 @@ void attend_item_bf16(const Batch& b, const Item& it, float* __restrict buf) {
         }
         v16 sum = {};
         for (int64_t j = 0; j < pairs; ++j) {
-          u16v half[2];
+          v16u half[2];
           for (int64_t e = 0; e < 2; ++e) {
             const int64_t t = 2 * j + e;
             const v16 p = exp_nonpositive(loadv(s + t * Mp + m) - new_max);
             const v16 pm = static_cast<float>(t0 + t) <= lim ? p : v16{};
             // with an odd kl the last pair has one key (its partner's score is not computed)
-            half[e] = t < kl ? round_bf16_high(pm) : u16v{};
+            half[e] = t < kl ? round_bf16_high(pm) : v16u{};
             sum += (v16)half[e];
           }
-          const u16v packed = (half[0] >> 16) | half[1];
+          const v16u packed = (half[0] >> 16) | half[1];
           __builtin_memcpy(pp + j * Mp + m, &packed, sizeof packed);
         }
         const v16 a = exp_nonpositive(old_max - new_max);

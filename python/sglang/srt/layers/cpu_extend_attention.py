@@ -21,19 +21,20 @@ Algorithm (flash-style tiling with an online softmax):
   request does not leave the other threads idle at the end. Items are independent, so the
   result does not depend on the thread count.
 * An item's ``rows * G`` query vectors (the G query heads of its KV head for each row) are
-  stored transposed, ``[D, M]`` with the query index innermost (padded to 16), so every step
-  below runs down vectors of 16 queries: the softmax needs no horizontal reduction, and K/V
-  rows are used as they lie in the pool (float32) or converted once per block (bfloat16), one
-  broadcast element at a time.
+  stored transposed, ``[D, M]`` with the query index innermost (padded to whole vectors), so
+  every step below runs down vectors of queries: the softmax needs no horizontal reduction,
+  and K/V rows are used as they lie in the pool (float32) or converted once per block
+  (bfloat16), one broadcast element at a time.
 * The keys the item's last row sees are walked in blocks of ``kKeyBlock`` (aligned to end at
   that row, so the causal diagonal takes as few blocks as possible). Per block and per tile of
-  32 queries, only the keys the tile's last row sees: scores ``kScoreKeys`` keys x 32 queries
-  in registers; per query the running max and sum are updated (keys past the query's position
-  get probability 0); the accumulator is rescaled and ``p . V`` added, ``kValueDims`` columns x
-  32 queries in registers. Each K/V row is read once per item, not once per query.
+  two vectors of queries, only the keys the tile's last row sees: scores ``kScoreKeys`` keys x
+  the tile in registers; per query the running max and sum are updated (keys past the query's
+  position get probability 0); the accumulator is rescaled and ``p . V`` added,
+  ``kValueDims`` columns x the tile in registers. Each K/V row is read once per item, not
+  once per query.
 * ``exp`` is a degree-6 polynomial on a range reduction (relative error < 2e-7). The tiles use
-  GCC vector extensions (16 floats), which the compiler lowers to AVX-512, AVX2 or NEON for
-  the host (``-O3 -march=native``).
+  GCC vector extensions of the host's register width (16 floats with AVX-512, 8 with AVX2, 4
+  with NEON), compiled with ``-O3 -march=native``; no intrinsics but the guarded ones below.
 * With bfloat16 queries and K/V on a host with AVX512-BF16 (only where the compiler defines
   ``__AVX512BF16__``), both products use ``vdpbf16ps`` (bfloat16 pairs, exact products,
   float32 sums): twice the float32 FMA rate. There ``p`` is rounded to bfloat16 for ``p . V``
@@ -71,18 +72,27 @@ _CPP_SOURCE = r"""
 
 namespace {
 
-// 16 floats; the compiler splits it into the host's vector registers (one AVX-512 register,
-// two AVX2 or four NEON ones).
-using v16 = float __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
+// One vector register of floats: 16 with AVX-512, 8 with AVX, else 4 (SSE, NEON). Generic
+// vectors wider than the host's registers are lowered piecewise, which GCC does poorly (an
+// AVX2 build with 16-float vectors ran ~30x slower).
+#if defined(__AVX512F__)
+constexpr int64_t kVecBytes = 64;
+#elif defined(__AVX__)
+constexpr int64_t kVecBytes = 32;
+#else
+constexpr int64_t kVecBytes = 16;
+#endif
+using vf = float __attribute__((vector_size(kVecBytes)));
+using vi = int32_t __attribute__((vector_size(kVecBytes)));  // exp's exponent bits
+constexpr int64_t kLanes = kVecBytes / 4;
 
 // Unaligned vector load/store (the pool's rows are only 4-byte aligned in general).
-inline v16 loadv(const float* p) {
-  v16 v;
+inline vf loadv(const float* p) {
+  vf v;
   __builtin_memcpy(&v, p, sizeof v);
   return v;
 }
-inline void storev(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
+inline void storev(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
 
 inline float load(float x) { return x; }
 inline float load(uint16_t x) { return std::bit_cast<float>(static_cast<uint32_t>(x) << 16); }
@@ -93,28 +103,26 @@ inline void store(float x, uint16_t* dst) {
   *dst = static_cast<uint16_t>(bits >> 16);
 }
 
-using v16i = int32_t __attribute__((vector_size(64)));  // 16 int32 (exp's exponent bits)
-
-// exp(x) for x <= 0, 16 lanes: 2^n * e^r with n = round(x / ln 2) (rounded by adding and
+// exp(x) for x <= 0, per lane: 2^n * e^r with n = round(x / ln 2) (rounded by adding and
 // subtracting 1.5 * 2^23), |r| <= ln 2 / 2, e^r by its Taylor polynomial of degree 6 (relative
 // error < 2e-7); x is clamped at -87 (~1.6e-38, not 0).
-inline v16 exp_nonpositive(v16 x) {
-  const v16 lo = v16{} - 87.0f;
+inline vf exp_nonpositive(vf x) {
+  const vf lo = vf{} - 87.0f;
   x = x < lo ? lo : x;
-  const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const v16 r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  const v16 p =
+  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const vf r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  const vf p =
       1.0f + r * (1.0f + r * (0.5f + r * (1.6666667e-1f + r * (4.1666668e-2f +
       r * (8.3333338e-3f + r * 1.3888889e-3f)))));
-  return p * (v16)((__builtin_convertvector(n, v16i) + 127) << 23);
+  return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
 }
 
 constexpr int64_t kKeyBlock = 32;   // keys per block of the online softmax
 constexpr int64_t kQueryRows = 32;  // new tokens per work item (at most)
-// Register tiles, in 16-float vectors over query vectors (rows): scores kScoreKeys keys x two
-// vectors, p . V kValueDims columns x two vectors: 16 accumulators fit AVX-512's 32 registers;
-// AVX2's 16 and NEON's 32 hold only 8 of these 16-float vectors, hence half the tile.
-#if defined(__AVX512F__)
+// Register tiles over two vectors of queries: scores kScoreKeys keys, p . V kValueDims columns,
+// so 2 * 8 accumulators where there are 32 vector registers (AVX-512, NEON), 2 * 4 where there
+// are 16 (AVX2, SSE).
+#if defined(__AVX512F__) || defined(__aarch64__)
 constexpr int64_t kScoreKeys = 8;
 constexpr int64_t kValueDims = 8;
 #else
@@ -130,9 +138,9 @@ constexpr float kNoMax = -1e30f;
 template <int64_t NV>
 inline void score_tile(const float* __restrict qt, const float* const* krow, int64_t D,
                        int64_t Mp, int64_t m, float* __restrict s) {
-  v16 acc[kScoreKeys][NV] = {};
+  vf acc[kScoreKeys][NV] = {};
   for (int64_t d = 0; d < D; ++d) {
-    v16 qv[NV];
+    vf qv[NV];
     for (int64_t c = 0; c < NV; ++c) qv[c] = loadv(qt + d * Mp + m + c * kLanes);
     for (int64_t t = 0; t < kScoreKeys; ++t) {
       const float k = krow[t][d];
@@ -150,15 +158,15 @@ template <int64_t NV>
 inline void value_tile(const float* __restrict p, const float* const* vrow, int64_t nb,
                        int64_t d, int64_t Mp, int64_t m, const float* __restrict alpha,
                        float* __restrict acct) {
-  v16 a[kValueDims][NV];
+  vf a[kValueDims][NV];
   for (int64_t c = 0; c < NV; ++c) {
-    const v16 al = loadv(alpha + m + c * kLanes);
+    const vf al = loadv(alpha + m + c * kLanes);
     for (int64_t i = 0; i < kValueDims; ++i) {
       a[i][c] = loadv(acct + (d + i) * Mp + m + c * kLanes) * al;
     }
   }
   for (int64_t t = 0; t < nb; ++t) {
-    v16 pv[NV];
+    vf pv[NV];
     for (int64_t c = 0; c < NV; ++c) pv[c] = loadv(p + t * Mp + m + c * kLanes);
     for (int64_t i = 0; i < kValueDims; ++i) {
       const float v = vrow[t][d + i];
@@ -191,7 +199,7 @@ struct Batch {
   float scale;
 };
 
-// Query vectors (rows * G) of an item, padded to whole 16-float vectors.
+// Query vectors (rows * G) of an item, padded to whole vectors.
 inline int64_t padded_rows(int64_t rows, int64_t G) {
   return (rows * G + kLanes - 1) / kLanes * kLanes;
 }
@@ -291,20 +299,20 @@ void attend_item(const Batch& b, const Item& it, float* __restrict buf) {
       }
       // Online softmax per vector of rows: key t0 + t is visible to a row at position >= it.
       for (int64_t m = m0; m < m0 + nv * kLanes; m += kLanes) {
-        const v16 lim = loadv(last_pos + m), old_max = loadv(run_max + m);
-        v16 new_max = old_max;
+        const vf lim = loadv(last_pos + m), old_max = loadv(run_max + m);
+        vf new_max = old_max;
         for (int64_t t = 0; t < kl; ++t) {
-          const v16 st = loadv(s + t * Mp + m);
+          const vf st = loadv(s + t * Mp + m);
           new_max = (static_cast<float>(t0 + t) <= lim) & (st > new_max) ? st : new_max;
         }
-        v16 sum = {};
+        vf sum = {};
         for (int64_t t = 0; t < kl; ++t) {
-          const v16 p = exp_nonpositive(loadv(s + t * Mp + m) - new_max);
-          const v16 pm = static_cast<float>(t0 + t) <= lim ? p : v16{};
+          const vf p = exp_nonpositive(loadv(s + t * Mp + m) - new_max);
+          const vf pm = static_cast<float>(t0 + t) <= lim ? p : vf{};
           storev(s + t * Mp + m, pm);
           sum += pm;
         }
-        const v16 a = exp_nonpositive(old_max - new_max);
+        const vf a = exp_nonpositive(old_max - new_max);
         storev(alpha + m, a);
         storev(run_sum + m, loadv(run_sum + m) * a + sum);
         storev(run_max + m, new_max);
@@ -333,7 +341,7 @@ void attend_item(const Batch& b, const Item& it, float* __restrict buf) {
 // float32 FMA rate. Queries and K/V are used as stored; p is rounded to bfloat16 for p . V (as
 // SDPA's bfloat16 path does) and the softmax denominators sum the rounded values, so each
 // output is an exact weighted mean of the value rows.
-using v16u = uint32_t __attribute__((vector_size(64)));  // 16 pairs of bfloat16
+using vu = uint32_t __attribute__((vector_size(kVecBytes)));  // pairs of bfloat16
 
 inline uint32_t load_pair(const uint16_t* p) {
   uint32_t x;
@@ -341,11 +349,11 @@ inline uint32_t load_pair(const uint16_t* p) {
   return x;
 }
 
-inline __m512bh as_bh(v16u x) { return (__m512bh)x; }
+inline __m512bh as_bh(vu x) { return (__m512bh)x; }
 
-// The bfloat16 bits of 16 floats (round to nearest even), in the high halves.
-inline v16u round_bf16_high(v16 x) {
-  v16u bits = (v16u)x;
+// The bfloat16 bits of each float (round to nearest even), in the high halves.
+inline vu round_bf16_high(vf x) {
+  vu bits = (vu)x;
   bits += 0x7fffu + ((bits >> 16) & 1u);
   return bits & 0xffff0000u;
 }
@@ -356,16 +364,16 @@ template <int64_t NV>
 inline void score_tile_bf16(const uint32_t* __restrict qp, const uint16_t* const* krow,
                             int64_t D, int64_t Mp, int64_t m, float scale,
                             float* __restrict s) {
-  v16 acc[kScoreKeys][NV] = {};
+  vf acc[kScoreKeys][NV] = {};
   for (int64_t i = 0; i < D / 2; ++i) {
-    v16u qv[NV];
+    vu qv[NV];
     for (int64_t c = 0; c < NV; ++c) {
-      __builtin_memcpy(&qv[c], qp + i * Mp + m + c * kLanes, sizeof(v16u));
+      __builtin_memcpy(&qv[c], qp + i * Mp + m + c * kLanes, sizeof(vu));
     }
     for (int64_t t = 0; t < kScoreKeys; ++t) {
-      const v16u k = v16u{} + load_pair(krow[t] + 2 * i);
+      const vu k = vu{} + load_pair(krow[t] + 2 * i);
       for (int64_t c = 0; c < NV; ++c) {
-        acc[t][c] = (v16)_mm512_dpbf16_ps((__m512)acc[t][c], as_bh(qv[c]), as_bh(k));
+        acc[t][c] = (vf)_mm512_dpbf16_ps((__m512)acc[t][c], as_bh(qv[c]), as_bh(k));
       }
     }
   }
@@ -380,22 +388,22 @@ template <int64_t NV>
 inline void value_tile_bf16(const uint32_t* __restrict pp, const uint32_t* __restrict vp,
                             int64_t pairs, int64_t d, int64_t D, int64_t Mp, int64_t m,
                             const float* __restrict alpha, float* __restrict acct) {
-  v16 a[kValueDims][NV];
+  vf a[kValueDims][NV];
   for (int64_t c = 0; c < NV; ++c) {
-    const v16 al = loadv(alpha + m + c * kLanes);
+    const vf al = loadv(alpha + m + c * kLanes);
     for (int64_t i = 0; i < kValueDims; ++i) {
       a[i][c] = loadv(acct + (d + i) * Mp + m + c * kLanes) * al;
     }
   }
   for (int64_t j = 0; j < pairs; ++j) {
-    v16u pv[NV];
+    vu pv[NV];
     for (int64_t c = 0; c < NV; ++c) {
-      __builtin_memcpy(&pv[c], pp + j * Mp + m + c * kLanes, sizeof(v16u));
+      __builtin_memcpy(&pv[c], pp + j * Mp + m + c * kLanes, sizeof(vu));
     }
     for (int64_t i = 0; i < kValueDims; ++i) {
-      const v16u v = v16u{} + vp[j * D + d + i];
+      const vu v = vu{} + vp[j * D + d + i];
       for (int64_t c = 0; c < NV; ++c) {
-        a[i][c] = (v16)_mm512_dpbf16_ps((__m512)a[i][c], as_bh(pv[c]), as_bh(v));
+        a[i][c] = (vf)_mm512_dpbf16_ps((__m512)a[i][c], as_bh(pv[c]), as_bh(v));
       }
     }
   }
@@ -479,27 +487,27 @@ void attend_item_bf16(const Batch& b, const Item& it, float* __restrict buf) {
       }
       const int64_t pairs = (kl + 1) / 2;
       for (int64_t m = m0; m < m0 + nv * kLanes; m += kLanes) {
-        const v16 lim = loadv(last_pos + m), old_max = loadv(run_max + m);
-        v16 new_max = old_max;
+        const vf lim = loadv(last_pos + m), old_max = loadv(run_max + m);
+        vf new_max = old_max;
         for (int64_t t = 0; t < kl; ++t) {
-          const v16 st = loadv(s + t * Mp + m);
+          const vf st = loadv(s + t * Mp + m);
           new_max = (static_cast<float>(t0 + t) <= lim) & (st > new_max) ? st : new_max;
         }
-        v16 sum = {};
+        vf sum = {};
         for (int64_t j = 0; j < pairs; ++j) {
-          v16u half[2];
+          vu half[2];
           for (int64_t e = 0; e < 2; ++e) {
             const int64_t t = 2 * j + e;
-            const v16 p = exp_nonpositive(loadv(s + t * Mp + m) - new_max);
-            const v16 pm = static_cast<float>(t0 + t) <= lim ? p : v16{};
+            const vf p = exp_nonpositive(loadv(s + t * Mp + m) - new_max);
+            const vf pm = static_cast<float>(t0 + t) <= lim ? p : vf{};
             // with an odd kl the last pair has one key (its partner's score is not computed)
-            half[e] = t < kl ? round_bf16_high(pm) : v16u{};
-            sum += (v16)half[e];
+            half[e] = t < kl ? round_bf16_high(pm) : vu{};
+            sum += (vf)half[e];
           }
-          const v16u packed = (half[0] >> 16) | half[1];
+          const vu packed = (half[0] >> 16) | half[1];
           __builtin_memcpy(pp + j * Mp + m, &packed, sizeof packed);
         }
-        const v16 a = exp_nonpositive(old_max - new_max);
+        const vf a = exp_nonpositive(old_max - new_max);
         storev(alpha + m, a);
         storev(run_sum + m, loadv(run_sum + m) * a + sum);
         storev(run_max + m, new_max);

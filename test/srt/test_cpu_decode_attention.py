@@ -67,10 +67,16 @@ def _reference(
 
 @pytest.mark.parametrize("group", [1, 3, 4, 7])
 @pytest.mark.parametrize("head_dim", [64, 128, 48])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_sdpa(group: int, head_dim: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "native_bf16"),
+    [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
+    ids=["float32", "bfloat16", "bfloat16-portable"],
+)
+def test_matches_sdpa(group: int, head_dim: int, dtype: torch.dtype, native_bf16: bool) -> None:
     """Every row attends to exactly its own keys, for each query-head group size, head dim
-    (48: the runtime-size loops) and dtype; nothing of the slots it does not own leaks in."""
+    (48: the runtime-size loops) and dtype, with bfloat16 by the CPU's own dot-product
+    instruction where it has one and by the portable code; nothing of the slots a row does not
+    own leaks in."""
     assert load_kernel()
     torch.manual_seed(head_dim + group)
     kv_heads = 2
@@ -80,13 +86,15 @@ def test_matches_sdpa(group: int, head_dim: int, dtype: torch.dtype) -> None:
     q = torch.randn(len(LENS), width + 3 * head_dim).to(dtype)[:, :width]
     assert kernel_supports(q, k_cache, v_cache)
     scale = head_dim**-0.5
-    got = decode_attention(q, k_cache, v_cache, table, rows, torch.tensor(LENS), scale)
+    lens = torch.tensor(LENS)
+    got = decode_attention(q, k_cache, v_cache, table, rows, lens, scale, native_bf16)
     expected = _reference(q, k_cache, v_cache, table, rows, LENS, scale)
     assert got.dtype == dtype and got.shape == (len(LENS), width)
     if dtype == torch.float32:
         # values are ~N(0, 1): 1e-5 relative to their scale
         torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
     else:  # the reference sees the same bfloat16 inputs; the output is rounded to bfloat16
+        # (and the native path rounds the softmax weights to bfloat16, as SDPA does)
         torch.testing.assert_close(got.double(), expected, atol=1e-2, rtol=1.6e-2)
 
 

@@ -43,6 +43,10 @@ _CPP_SOURCE = r"""
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // GCC vector types: 16 float lanes, lowered to one AVX-512 register, two AVX2 registers or four
@@ -144,14 +148,155 @@ struct Operands {
   const int64_t* rows;   // [B] pool rows
   int64_t q_stride, table_stride, kvh, G, D;
   float scale;
+  bool native_bf16;  // bfloat16 dot products by the CPU's own instruction, where it has one
 };
+
+// The G lane-partial dot products of the key row kr with the queries (qf: as float32; qraw: as
+// given), stored at part + g * part_stride. With bfloat16 operands on a CPU with AVX512-BF16,
+// one instruction multiplies 32 bfloat16 pairs (exactly) and adds them into 16 float32 lanes;
+// elsewhere the row is widened to float32 and multiplied in float32 (the same products).
+template <int kD, typename T>
+inline void key_partials(const Operands<T>& op, const float* qf, const T* qraw, const T* kr,
+                         float* part, int64_t part_stride) {
+  const int64_t G = op.G, D = kD ? kD : op.D;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t> && kD > 0 && kD % 32 == 0) {
+    if (op.native_bf16) {
+      __m512i kv[kD / 32];
+      for (int64_t c = 0; c < kD / 32; ++c) kv[c] = _mm512_loadu_si512(kr + 32 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t c = 0; c < kD / 32; ++c) {
+          s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(qraw + g * kD + 32 * c),
+                               (__m512bh)kv[c]);
+        }
+        _mm512_storeu_ps(part + g * part_stride, s);
+      }
+      return;
+    }
+  }
+#endif
+  f32x16 kv[kMaxVecs];
+  for (int64_t c = 0; c < D / kLanes; ++c) kv[c] = load16(kr + c * kLanes);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = qf + g * D;
+    f32x16 s = load16(qg) * kv[0];
+    for (int64_t c = 1; c < D / kLanes; ++c) s += load16(qg + c * kLanes) * kv[c];
+    store16(s, part + g * part_stride);
+  }
+}
 
 // One chunk [t0, t1) of one (request b, KV head h): for the G query heads of h, the softmax
 // max m[g] and sum l[g] over the chunk's keys and acc[g] = sum_t exp(s[g,t] - m[g]) v[t]
-// (unnormalised). scratch holds scratch_floats(G, D, t1 - t0) floats.
+// (unnormalised). scratch holds scratch_floats(G, D, t1 - t0) floats: the queries, the lane
+// partials, the scores and (for add_values_bf16_pairs) the weights as bfloat16.
 inline int64_t scratch_floats(int64_t G, int64_t D, int64_t n) {
   const int64_t n_pad = (n + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
-  return G * D + G * kKeyBlock * kLanes + G * n_pad;
+  return G * D + G * kKeyBlock * kLanes + G * n_pad + (G * n_pad + 1) / 2;
+}
+
+// acc[g] = sum_t p[g, t] v[t] over the chunk's n keys (p: the softmax numerators, G rows of
+// n_pad floats; v[t] the V row of slots[t]). The accumulators of up to kHeads query heads stay
+// in registers for a pass over the V rows (a block's missing heads get weight 0).
+template <int kD, int64_t kHeads, typename T>
+void add_values_widened(const Operands<T>& op, const T* vh, const int64_t* slots, int64_t n,
+                        const float* p, int64_t n_pad, float* acc) {
+  const int64_t G = op.G, D = kD ? kD : op.D, nvec = D / kLanes, row = op.kvh * D;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  constexpr int64_t kVecs = kD ? kD / kLanes : kMaxVecs;
+  for (int64_t g0 = 0; g0 < G; g0 += kHeads) {
+    const int64_t gn = std::min(kHeads, G - g0);
+    f32x16 a[kHeads][kVecs];
+    for (int64_t gi = 0; gi < kHeads; ++gi) {
+      for (int64_t c = 0; c < nvec; ++c) a[gi][c] = splat(0.0f);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      if (t + kPrefetch < n) prefetch_row(vh + slots[t + kPrefetch] * row, row_bytes);
+      const T* vr = vh + slots[t] * row;
+      f32x16 vv[kVecs];
+      for (int64_t c = 0; c < nvec; ++c) vv[c] = load16(vr + c * kLanes);
+      for (int64_t gi = 0; gi < kHeads; ++gi) {
+        const float w = gi < gn ? p[(g0 + gi) * n_pad + t] : 0.0f;
+        for (int64_t c = 0; c < nvec; ++c) a[gi][c] += w * vv[c];
+      }
+    }
+    for (int64_t gi = 0; gi < gn; ++gi) {
+      for (int64_t c = 0; c < nvec; ++c) store16(a[gi][c], acc + (g0 + gi) * D + c * kLanes);
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The same sum for bfloat16 V on a CPU with AVX512-BF16: two keys at a time, their V rows
+// interleaved element by element (within 128-bit lanes), so that one instruction adds
+// p[t] v[t][d] + p[t+1] v[t+1][d] into the float32 lane of d, with the weights rounded to
+// bfloat16 (as SDPA's bfloat16 path rounds them for its product with V). The interleaving
+// permutes d within each 32 values; the stores undo it.
+template <int kD, int64_t kHeads>
+void add_values_bf16_pairs(const Operands<uint16_t>& op, const uint16_t* vh,
+                           const int64_t* slots, int64_t n, const float* p, int64_t n_pad,
+                           uint16_t* p16, float* acc) {
+  constexpr int64_t kVecs = kD / 32;  // 32 bfloat16 per register
+  const int64_t G = op.G, row = op.kvh * kD, row_bytes = kD * 2;
+  for (int64_t i = 0; i < G * n_pad; i += kLanes) {  // padding weights are 0 (and stay 0)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + i)));
+  }
+  for (int64_t g0 = 0; g0 < G; g0 += kHeads) {
+    const int64_t gn = std::min(kHeads, G - g0);
+    __m512 lo[kHeads][kVecs], hi[kHeads][kVecs];
+    for (int64_t gi = 0; gi < kHeads; ++gi) {
+      for (int64_t c = 0; c < kVecs; ++c) lo[gi][c] = hi[gi][c] = _mm512_setzero_ps();
+    }
+    for (int64_t t = 0; t < n; t += 2) {
+      if (t + kPrefetch + 1 < n) {
+        prefetch_row(vh + slots[t + kPrefetch] * row, row_bytes);
+        prefetch_row(vh + slots[t + kPrefetch + 1] * row, row_bytes);
+      }
+      const uint16_t* r0 = vh + slots[t] * row;
+      const uint16_t* r1 = t + 1 < n ? vh + slots[t + 1] * row : r0;  // its weight is 0
+      __m512i vlo[kVecs], vhi[kVecs];
+      for (int64_t c = 0; c < kVecs; ++c) {
+        const __m512i x = _mm512_loadu_si512(r0 + 32 * c), y = _mm512_loadu_si512(r1 + 32 * c);
+        vlo[c] = _mm512_unpacklo_epi16(x, y);
+        vhi[c] = _mm512_unpackhi_epi16(x, y);
+      }
+      for (int64_t gi = 0; gi < kHeads; ++gi) {
+        uint32_t pair = 0;
+        if (gi < gn) std::memcpy(&pair, p16 + (g0 + gi) * n_pad + t, sizeof pair);
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
+        for (int64_t c = 0; c < kVecs; ++c) {
+          lo[gi][c] = _mm512_dpbf16_ps(lo[gi][c], (__m512bh)vlo[c], w);
+          hi[gi][c] = _mm512_dpbf16_ps(hi[gi][c], (__m512bh)vhi[c], w);
+        }
+      }
+    }
+    // Lane j of lo holds d = 8 (j / 4) + j % 4 of its 32, of hi d = 8 (j / 4) + 4 + j % 4.
+    for (int64_t gi = 0; gi < gn; ++gi) {
+      for (int64_t c = 0; c < kVecs; ++c) {
+        alignas(64) float l[kLanes], h[kLanes];
+        _mm512_store_ps(l, lo[gi][c]);
+        _mm512_store_ps(h, hi[gi][c]);
+        float* out = acc + (g0 + gi) * kD + 32 * c;
+        for (int64_t j = 0; j < kLanes; ++j) {
+          out[8 * (j / 4) + j % 4] = l[j];
+          out[8 * (j / 4) + 4 + j % 4] = h[j];
+        }
+      }
+    }
+  }
+}
+#endif
+
+template <int kD, int64_t kHeads, typename T>
+void add_values(const Operands<T>& op, const T* vh, const int64_t* slots, int64_t n,
+                const float* p, int64_t n_pad, uint16_t* p16, float* acc) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t> && kD > 0 && kD % 32 == 0) {
+    if (op.native_bf16) return add_values_bf16_pairs<kD, kHeads>(op, vh, slots, n, p, n_pad, p16, acc);
+  }
+#endif
+  add_values_widened<kD, kHeads, T>(op, vh, slots, n, p, n_pad, acc);
 }
 
 template <int kD, int64_t kHeads, typename T>
@@ -163,11 +308,11 @@ void attend_chunk(const Operands<T>& op, int64_t b, int64_t h, int64_t t0, int64
   const int64_t* slots = op.table + op.rows[b] * op.table_stride + t0;
   const T* kh = op.k + h * D;
   const T* vh = op.v + h * D;
-  float* qf = scratch;                           // [G, D] scaled queries
+  float* qf = scratch;                           // [G, D] queries as float32
   float* part = qf + G * D;                      // [G, kKeyBlock, kLanes] lane partials
   float* scores = part + G * kKeyBlock * kLanes;  // [G, n_pad]
   const T* qh = op.q + b * op.q_stride + h * G * D;
-  for (int64_t i = 0; i < G * D; ++i) qf[i] = load1(qh[i]) * op.scale;
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = load1(qh[i]);
 
   // Scores: per key, G lane-partial dot products; per block of 16 keys, one reduction tree
   // per query head turns 16 partial vectors into 16 scores.
@@ -177,15 +322,8 @@ void attend_chunk(const Operands<T>& op, int64_t b, int64_t h, int64_t t0, int64
     for (int64_t j = 0; j < nb; ++j) {
       const int64_t t = tb + j;
       if (t + kPrefetch < n) prefetch_row(kh + slots[t + kPrefetch] * row, row_bytes);
-      const T* kr = kh + slots[t] * row;
-      f32x16 kv[kMaxVecs];
-      for (int64_t c = 0; c < nvec; ++c) kv[c] = load16(kr + c * kLanes);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = qf + g * D;
-        f32x16 s = load16(qg) * kv[0];
-        for (int64_t c = 1; c < nvec; ++c) s += load16(qg + c * kLanes) * kv[c];
-        store16(s, part + (g * kKeyBlock + j) * kLanes);
-      }
+      key_partials<kD, T>(op, qf, qh, kh + slots[t] * row, part + j * kLanes,
+                          kKeyBlock * kLanes);
     }
     if (nb < kKeyBlock) {  // the last block's unused partials: zero, so its lanes stay finite
       for (int64_t g = 0; g < G; ++g) {
@@ -196,7 +334,7 @@ void attend_chunk(const Operands<T>& op, int64_t b, int64_t h, int64_t t0, int64
     for (int64_t g = 0; g < G; ++g) {
       f32x16 vecs[kKeyBlock];
       for (int64_t j = 0; j < kKeyBlock; ++j) vecs[j] = load16(part + (g * kKeyBlock + j) * kLanes);
-      store16(sum_lanes16(vecs), scores + g * n_pad + tb);
+      store16(sum_lanes16(vecs) * op.scale, scores + g * n_pad + tb);
     }
   }
 
@@ -220,29 +358,8 @@ void attend_chunk(const Operands<T>& op, int64_t b, int64_t h, int64_t t0, int64
     l[g] = total;
   }
 
-  // Values: the accumulators of up to kHeads query heads stay in registers for a pass over
-  // the chunk's V rows (a block's missing heads get weight 0).
-  constexpr int64_t kVecs = kD ? kD / kLanes : kMaxVecs;
-  for (int64_t g0 = 0; g0 < G; g0 += kHeads) {
-    const int64_t gn = std::min(kHeads, G - g0);
-    f32x16 a[kHeads][kVecs];
-    for (int64_t gi = 0; gi < kHeads; ++gi) {
-      for (int64_t c = 0; c < nvec; ++c) a[gi][c] = splat(0.0f);
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      if (t + kPrefetch < n) prefetch_row(vh + slots[t + kPrefetch] * row, row_bytes);
-      const T* vr = vh + slots[t] * row;
-      f32x16 vv[kVecs];
-      for (int64_t c = 0; c < nvec; ++c) vv[c] = load16(vr + c * kLanes);
-      for (int64_t gi = 0; gi < kHeads; ++gi) {
-        const float p = gi < gn ? scores[(g0 + gi) * n_pad + t] : 0.0f;
-        for (int64_t c = 0; c < nvec; ++c) a[gi][c] += p * vv[c];
-      }
-    }
-    for (int64_t gi = 0; gi < gn; ++gi) {
-      for (int64_t c = 0; c < nvec; ++c) store16(a[gi][c], acc + (g0 + gi) * D + c * kLanes);
-    }
-  }
+  add_values<kD, kHeads, T>(op, vh, slots, n, scores, n_pad,
+                            reinterpret_cast<uint16_t*>(scores + G * n_pad), acc);
 }
 
 struct Item {
@@ -345,7 +462,8 @@ void dispatch_head_dim(const Operands<T>& op, const std::vector<int64_t>& lens, 
 template <typename T>
 void launch(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
             const torch::Tensor& table, const torch::Tensor& rows,
-            const std::vector<int64_t>& lens, double scale, torch::Tensor& out) {
+            const std::vector<int64_t>& lens, double scale, bool native_bf16,
+            torch::Tensor& out) {
   const int64_t KVH = k_cache.size(1), D = k_cache.size(2);
   const Operands<T> op{reinterpret_cast<const T*>(q.data_ptr()),
                        reinterpret_cast<const T*>(k_cache.data_ptr()),
@@ -357,7 +475,8 @@ void launch(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
                        KVH,
                        q.size(1) / (KVH * D),
                        D,
-                       static_cast<float>(scale)};
+                       static_cast<float>(scale),
+                       native_bf16};
   dispatch_head_dim<T>(op, lens, reinterpret_cast<T*>(out.data_ptr()), out.stride(0));
 }
 
@@ -365,7 +484,7 @@ void launch(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor req_to_token, torch::Tensor req_pool_indices,
-                               torch::Tensor seq_lens, double scale) {
+                               torch::Tensor seq_lens, double scale, bool native_bf16) {
   TORCH_CHECK(q.dim() == 2 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "q must be [b, H*D], k_cache/v_cache [slots, KVH, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && q.stride(1) == 1,
@@ -393,9 +512,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   }
   torch::Tensor out = torch::empty({B, q.size(1)}, q.options());
   if (q.scalar_type() == at::kFloat) {
-    launch<float>(q, k_cache, v_cache, req_to_token, rows, lens, scale, out);
+    launch<float>(q, k_cache, v_cache, req_to_token, rows, lens, scale, native_bf16, out);
   } else {
-    launch<uint16_t>(q, k_cache, v_cache, req_to_token, rows, lens, scale, out);
+    launch<uint16_t>(q, k_cache, v_cache, req_to_token, rows, lens, scale, native_bf16, out);
   }
   return out;
 }
@@ -404,7 +523,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 _CPP_DECLARATION = (
     "torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, "
     "torch::Tensor v_cache, torch::Tensor req_to_token, torch::Tensor req_pool_indices, "
-    "torch::Tensor seq_lens, double scale);"
+    "torch::Tensor seq_lens, double scale, bool native_bf16);"
 )
 
 # The built module once load_kernel() succeeded.
@@ -451,6 +570,7 @@ def decode_attention(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    native_bf16: bool = True,
 ) -> torch.Tensor:
     """Decode attention of ``q`` [b, H*D] over one layer's pool buffers ``k_cache`` /
     ``v_cache`` [slots, KVH, D]: row ``i`` attends to the keys at slots
@@ -458,9 +578,12 @@ def decode_attention(
     [b]). Query head ``j`` uses KV head ``j // (H / KVH)``. Returns [b, H*D] in ``q``'s dtype,
     computed in float32. Raises RuntimeError for operands outside that contract.
 
+    ``native_bf16=False`` makes a host with AVX512-BF16 take the portable code path for
+    bfloat16 dot products, as hosts without it do (the tests compare the two).
+
     Precondition: :func:`load_kernel` returned True and :func:`kernel_supports` holds.
     """
     assert _module is not None, "load_kernel() must succeed first"
     return _module.decode_attention(
-        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, native_bf16
     )

@@ -293,7 +293,9 @@ void add_values(const Operands<T>& op, const T* vh, const int64_t* slots, int64_
                 const float* p, int64_t n_pad, uint16_t* p16, float* acc) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, uint16_t> && kD > 0 && kD % 32 == 0) {
-    if (op.native_bf16) return add_values_bf16_pairs<kD, kHeads>(op, vh, slots, n, p, n_pad, p16, acc);
+    if (op.native_bf16) {
+      return add_values_bf16_pairs<kD, kHeads>(op, vh, slots, n, p, n_pad, p16, acc);
+    }
   }
 #endif
   add_values_widened<kD, kHeads, T>(op, vh, slots, n, p, n_pad, acc);

@@ -27,7 +27,9 @@ HIDDEN, INTERMEDIATE, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
 SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
 
 
-def _median_ms(fn: Callable[[], None], other: Callable[[], None], repeats: int) -> tuple[float, float]:
+def _median_ms(
+    fn: Callable[[], None], other: Callable[[], None], repeats: int
+) -> tuple[float, float]:
     """Medians of fn and other, interleaved, in ms."""
     fn(), other()  # warm-up
     first, second = [], []
@@ -39,6 +41,25 @@ def _median_ms(fn: Callable[[], None], other: Callable[[], None], repeats: int) 
         other()
         second.append((time.perf_counter() - start) * 1e3)
     return statistics.median(first), statistics.median(second)
+
+
+def bench(
+    weights: list[torch.Tensor],
+    packed: list[torch.Tensor],
+    inputs: dict[int, torch.Tensor],
+    repeats: int,
+) -> tuple[float, float]:
+    """Median ms of (kernel, packed) over every matrix once, interleaved."""
+
+    def run_kernel() -> None:
+        for w in weights:
+            cpu_gemv.small_linear(inputs[w.shape[1]], w, None)
+
+    def run_packed() -> None:
+        for p, w in zip(packed, weights):
+            packed_product(inputs[w.shape[1]], p, None)
+
+    return _median_ms(run_kernel, run_packed, repeats)
 
 
 def main() -> None:
@@ -61,16 +82,7 @@ def main() -> None:
             torch.set_num_threads(threads)
             for rows in args.rows:
                 inputs = {k: torch.randn(rows, k).to(dtype) for k in (HIDDEN, INTERMEDIATE)}
-
-                def run_kernel() -> None:
-                    for w in weights:
-                        cpu_gemv.small_linear(inputs[w.shape[1]], w, None)
-
-                def run_packed() -> None:
-                    for p, w in zip(packed, weights):
-                        packed_product(inputs[w.shape[1]], p, None)
-
-                kernel_ms, packed_ms = _median_ms(run_kernel, run_packed, args.repeats)
+                kernel_ms, packed_ms = bench(weights, packed, inputs, args.repeats)
                 name = str(dtype).removeprefix("torch.")
                 print(f"{threads:>7} {name:>8} {rows:>4} {kernel_ms:>9.2f} "
                       f"{nbytes / kernel_ms / 1e6:>5.1f} {packed_ms:>9.2f} "

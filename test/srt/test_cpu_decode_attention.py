@@ -1,6 +1,6 @@
-"""The CPU decode-attention kernel (layers/cpu_decode_attention.py) against SDPA: random
-operands laid out like the decode mirror, and the engine's greedy tokens and logprobs with the
-kernel vs ``--disable-cpu-attention-kernel``."""
+"""The CPU paged decode-attention kernel (layers/cpu_decode_attention.py) against SDPA: random
+operands in a pool layout (scattered slots, garbage in every slot no row reads), and the
+engine's greedy tokens and logprobs with the kernel vs ``--disable-cpu-attention-kernel``."""
 
 from __future__ import annotations
 
@@ -17,107 +17,133 @@ pytestmark = pytest.mark.skipif(
     reason="the kernel is built on Linux x86-64/aarch64 only",
 )
 
-LENS = [1, 17, 95, 64, 130, 3]  # per row: 1 and non-multiples of 16 included
+# Per row: 1, non-multiples of 16, and lengths over one (256) and several work chunks.
+LENS = [1, 17, 95, 64, 300, 3, 777]
 
 
-def _mirror_views(
-    batch: int, kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V as the mirror hands them out: [b, KVH, max_len, D] transposed windows of
-    [rows_cap, len_cap, KVH, D] buffers with more rows and positions than used."""
-    shape = (batch + 2, max_len + 14, kv_heads, head_dim)
-    k, v = (torch.randn(shape).to(dtype) for _ in range(2))
-    window = (slice(0, batch), slice(0, max_len))
-    return k[window].transpose(1, 2), v[window].transpose(1, 2)
+def _pool(
+    lens: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache, req_to_token, req_pool_indices) for requests of ``lens`` keys: each
+    request's slots are a random scatter over a pool with twice as many slots (unread slots
+    hold 1e4, which would dominate any softmax they leaked into), its table row one of more
+    rows than requests, in shuffled order."""
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = 2 * sum(lens) + 1
+    shape = (num_slots, kv_heads, head_dim)
+    k_cache = torch.full(shape, 1e4).to(dtype)
+    v_cache = torch.full(shape, 1e4).to(dtype)
+    table = torch.zeros(len(lens) + 3, max(lens) + 9, dtype=torch.int64)
+    rows = torch.randperm(table.shape[0], generator=gen)[: len(lens)]
+    slots = torch.randperm(num_slots - 1, generator=gen) + 1
+    used = 0
+    for row, n in zip(rows.tolist(), lens):
+        table[row, :n] = slots[used : used + n]
+        used += n
+        k_cache[table[row, :n]] = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+        v_cache[table[row, :n]] = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    return k_cache, v_cache, table, rows
 
 
 def _reference(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lens: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    lens: list[int],
+    scale: float,
 ) -> torch.Tensor:
-    """SDPA in float64 over the operands' values, with the key mask."""
-    batch, kv_heads, max_len, head_dim = keys.shape
-    mask = (torch.arange(max_len)[None, :] < lens[:, None])[:, None, None, :]
-    out = F.scaled_dot_product_attention(
-        q.double().reshape(batch, kv_heads, -1, head_dim),
-        keys.double(),
-        values.double(),
-        attn_mask=mask,
-        scale=scale,
-    )
-    return out.reshape(batch, -1)
+    """SDPA in float64 over each row's gathered keys."""
+    out = []
+    kv_heads, head_dim = k_cache.shape[1:]
+    for i, (row, n) in enumerate(zip(rows.tolist(), lens)):
+        keys = k_cache[table[row, :n]].double().transpose(0, 1)  # [KVH, n, D]
+        values = v_cache[table[row, :n]].double().transpose(0, 1)
+        query = q[i].double().reshape(kv_heads, -1, head_dim)  # [KVH, G, D]
+        out.append(F.scaled_dot_product_attention(query, keys, values, scale=scale).reshape(-1))
+    return torch.stack(out)
 
 
-@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("group", [1, 3, 4, 7])
 @pytest.mark.parametrize("head_dim", [64, 128, 48])
 @pytest.mark.parametrize(
-    ("q_dtype", "kv_dtype"),
-    [
-        (torch.float32, torch.float32),
-        (torch.bfloat16, torch.bfloat16),
-        (torch.float32, torch.bfloat16),
-    ],
+    ("dtype", "native_bf16"),
+    [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
+    ids=["float32", "bfloat16", "bfloat16-portable"],
 )
-def test_matches_sdpa(
-    group: int, head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype
-) -> None:
-    """Every row attends to exactly its first lens[i] keys, for each query-head group size,
-    head dim (48: the runtime-size loops) and dtype pairing; the padding behind a row's length
-    holds garbage that must not leak in."""
+def test_matches_sdpa(group: int, head_dim: int, dtype: torch.dtype, native_bf16: bool) -> None:
+    """Every row attends to exactly its own keys, for each query-head group size, head dim
+    (48: the runtime-size loops) and dtype, with bfloat16 by the CPU's own dot-product
+    instruction where it has one and by the portable code; nothing of the slots a row does not
+    own leaks in."""
     assert load_kernel()
     torch.manual_seed(head_dim + group)
-    kv_heads, batch = 2, len(LENS)
-    lens = torch.tensor(LENS)
-    keys, values = _mirror_views(batch, kv_heads, head_dim, max(LENS) + 5, kv_dtype)
-    keys.select(2, -1).fill_(1e4)  # a key past every row's length: masked out or the test fails
+    kv_heads = 2
+    k_cache, v_cache, table, rows = _pool(LENS, kv_heads, head_dim, dtype)
     # q as a slice of a wider projection output (row stride > H*D), as the model hands it over
     width = kv_heads * group * head_dim
-    q = torch.randn(batch, width + 3 * head_dim).to(q_dtype)[:, :width]
-    assert kernel_supports(q, keys, values)
+    q = torch.randn(len(LENS), width + 3 * head_dim).to(dtype)[:, :width]
+    assert kernel_supports(q, k_cache, v_cache)
     scale = head_dim**-0.5
-    got = decode_attention(q, keys, values, lens, scale)
-    expected = _reference(q, keys, values, lens, scale)
-    assert got.dtype == q_dtype and got.shape == (batch, width)
-    if q_dtype == torch.float32:
+    lens = torch.tensor(LENS)
+    got = decode_attention(q, k_cache, v_cache, table, rows, lens, scale, native_bf16)
+    expected = _reference(q, k_cache, v_cache, table, rows, LENS, scale)
+    assert got.dtype == dtype and got.shape == (len(LENS), width)
+    if dtype == torch.float32:
         # values are ~N(0, 1): 1e-5 relative to their scale
         torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
-    else:
+    else:  # the reference sees the same bfloat16 inputs; the output is rounded to bfloat16
+        # (and the native path rounds the softmax weights to bfloat16, as SDPA does)
         torch.testing.assert_close(got.double(), expected, atol=1e-2, rtol=1.6e-2)
 
 
-def test_threads_give_identical_results() -> None:
-    """(row, KV head) pairs are independent: 1 and 2 threads give the same bits."""
+def test_result_independent_of_threads_and_batch() -> None:
+    """A row's result is the same bits with 1 or 2 threads, alone or in a batch: the work is
+    split by length only."""
     assert load_kernel()
-    keys, values = _mirror_views(len(LENS), 3, 64, 140, torch.float32)
+    k_cache, v_cache, table, rows = _pool(LENS, 3, 64, torch.float32)
     q = torch.randn(len(LENS), 9 * 64)
     lens = torch.tensor(LENS)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = decode_attention(q, keys, values, lens, 0.125)
+        one = decode_attention(q, k_cache, v_cache, table, rows, lens, 0.125)
         torch.set_num_threads(2)
-        two = decode_attention(q, keys, values, lens, 0.125)
+        two = decode_attention(q, k_cache, v_cache, table, rows, lens, 0.125)
+        alone = [
+            decode_attention(q[i, None], k_cache, v_cache, table, rows[i, None], n[None], 0.125)
+            for i, n in enumerate(lens)
+        ]
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+    assert torch.equal(torch.cat(alone), two)
 
 
-def test_rejects_lengths_out_of_range() -> None:
+def test_rejects_operands_out_of_contract() -> None:
     assert load_kernel()
-    keys, values = _mirror_views(2, 1, 64, 8, torch.float32)
+    k_cache, v_cache, table, rows = _pool([3, 5], 1, 64, torch.float32)
     q = torch.randn(2, 64)
-    for lens in ([0, 3], [3, 9]):
-        with pytest.raises(RuntimeError, match="lens must be in"):
-            decode_attention(q, keys, values, torch.tensor(lens), 0.125)
+    for lens in ([0, 3], [3, table.shape[1] + 1]):
+        with pytest.raises(RuntimeError, match="seq_lens must be in"):
+            decode_attention(q, k_cache, v_cache, table, rows, torch.tensor(lens), 0.125)
+    lens = torch.tensor([3, 5])
+    with pytest.raises(RuntimeError, match="req_pool_indices out of range"):
+        decode_attention(q, k_cache, v_cache, table, torch.tensor([0, 99]), lens, 0.125)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        decode_attention(q.bfloat16(), k_cache, v_cache, table, rows, lens, 0.125)
 
 
 def test_unsupported_operands_fall_back() -> None:
-    q = torch.randn(2, 64)
-    keys, values = _mirror_views(2, 1, 64, 8, torch.float32)
-    assert not kernel_supports(q.half(), keys, values)
-    assert not kernel_supports(q, keys.half(), values.half())
-    assert not kernel_supports(q, keys, values.to(torch.bfloat16))
-    keys, values = _mirror_views(2, 1, 40, 8, torch.float32)  # head dim not a multiple of 16
-    assert not kernel_supports(torch.randn(2, 40), keys, values)
+    k_cache, v_cache, _, _ = _pool([3], 1, 64, torch.float32)
+    q = torch.randn(1, 64)
+    assert kernel_supports(q, k_cache, v_cache)
+    assert not kernel_supports(q.half(), k_cache.half(), v_cache.half())
+    assert not kernel_supports(q.bfloat16(), k_cache, v_cache)  # mixed dtypes
+    assert not kernel_supports(q, k_cache[:, :, :32], v_cache[:, :, :32])  # not contiguous
+    k_cache, v_cache, _, _ = _pool([3], 1, 40, torch.float32)  # head dim not a multiple of 16
+    assert not kernel_supports(torch.randn(1, 40), k_cache, v_cache)
 
 
 def test_model_runner_enables_the_kernel(tiny_model_dir) -> None:
@@ -142,7 +168,7 @@ def test_model_runner_enables_the_kernel(tiny_model_dir) -> None:
 def test_engine_tokens_and_logprobs_match_sdpa(tiny_model_dir) -> None:
     """Greedy tokens and their logprobs with the kernel == with SDPA (float32, to the HF parity
     tests' 1e-4), on a model with head dim 64 and 3 query heads per KV head: a lone request
-    (the zero-copy path) and a batch of mixed lengths (the mirror, several buckets). In
+    and a batch of mixed lengths (SDPA: the zero-copy path and the mirror's buckets). In
     bfloat16 the tiny random model's greedy run is chaotic (SDPA's own tokens leave the float32
     ones within a few steps), so there the kernel is held to SDPA by test_matches_sdpa."""
     import random

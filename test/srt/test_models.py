@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from sglang.srt.layers.attention import get_attention_backend_class, torch_native_backend
 from sglang.srt.layers.attention.decode_kv_mirror import DecodeKVMirror, MirrorPlan
-from sglang.srt.layers.attention.torch_native_backend import group_by_length
+from sglang.srt.layers.attention.torch_native_backend import PagedDecodeMetadata, group_by_length
 from sglang.srt.layers.cpu_prepack import enable_cpu_weight_prepack
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import linear
@@ -129,7 +129,7 @@ def test_length_grouped_decode_matches_hf(models, monkeypatch: pytest.MonkeyPatc
     # The gather path (the CPU decode mirror refuses, as it does over its memory budget).
     monkeypatch.setattr(DecodeKVMirror, "plan", lambda self, forward_batch: None)
     prompts = [PROMPTS[2], PROMPTS[1], PROMPTS[0], [9]]  # lengths 3, 13, 7, 1
-    builder = BatchBuilder(model.config)
+    builder = BatchBuilder(model.config, cpu_attention_kernel=False)
     rids = ["a", "b", "c", "d"]
     out = builder.run(model, builder.extend(list(zip(rids, prompts))))
     tokens = [[int(t)] for t in out.next_token_logits.argmax(-1)]
@@ -141,11 +141,14 @@ def test_length_grouped_decode_matches_hf(models, monkeypatch: pytest.MonkeyPatc
         torch.testing.assert_close(out.next_token_logits[i], expected, atol=1e-4, rtol=1e-4)
 
 
-def test_decode_mirror_follows_batch_changes(models) -> None:
-    """The CPU decode mirror across steps whose batches drop, add and reorder requests, and
-    a request that reuses a finished one's row and slots (its KV differs: must be refilled)."""
+@pytest.mark.parametrize("kernel", [False, True], ids=["sdpa-mirror", "paged-kernel"])
+def test_decode_follows_batch_changes(models, kernel: bool) -> None:
+    """CPU decode (SDPA over the mirror, or the paged kernel over the pool) across steps whose
+    batches drop, add and reorder requests, and a request that reuses a finished one's row and
+    slots (its KV differs: the mirror must refill it)."""
     hf_model, model = models
-    builder = BatchBuilder(model.config, max_reqs=3)
+    builder = BatchBuilder(model.config, max_reqs=3, cpu_attention_kernel=kernel)
+    expected_meta = PagedDecodeMetadata if kernel else MirrorPlan
     seqs = {"a": list(PROMPTS[0]), "b": list(PROMPTS[1]), "c": list(PROMPTS[2])}
 
     def step(batch, rids: list[str]) -> None:
@@ -158,7 +161,7 @@ def test_decode_mirror_follows_batch_changes(models) -> None:
     def decode(rids: list[str]) -> None:
         batch = builder.decode([(rid, seqs[rid][-1]) for rid in rids])
         step(batch, rids)
-        assert isinstance(batch.attn_metadata, MirrorPlan)
+        assert isinstance(batch.attn_metadata, expected_meta)
 
     step(builder.extend([(rid, seqs[rid]) for rid in "abc"]), list("abc"))
     decode(list("abc"))

@@ -160,7 +160,9 @@ class ServerArgs:
         False,
         "On CPU, multiply by the weights as given instead of by copies packed once into "
         "oneDNN's blocked layout (the packed copies run the linear layers 1.3-1.8x faster "
-        "and take as much memory again as the weights; the log states how much).",
+        "and take as much memory again as the weights; the log states how much), and without "
+        "the C++ kernel that runs products of one or two rows (batch-1 decode) at the "
+        "memory's rate.",
     )
     disable_cpu_attention_kernel: bool = _arg(
         False,

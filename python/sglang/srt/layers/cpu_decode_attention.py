@@ -28,236 +28,429 @@ from types import ModuleType
 
 import torch
 
-from sglang.srt.layers.cpu_extension import build_cpu_extension
+from sglang.srt.layers.cpu_extension import CPP_VECTOR_PRELUDE, build_cpu_extension
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
-_CPP_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <bit>
-#include <cstdint>
-#include <type_traits>
-#include <vector>
-
+_CPP_SOURCE = CPP_VECTOR_PRELUDE + r"""
 namespace {
 
-// bfloat16 is handled as its raw 16 bits (the high half of a float32), which the compiler
-// vectorises; float32 passes through.
-inline float load(float x) { return x; }
-inline float load(uint16_t x) { return std::bit_cast<float>(static_cast<uint32_t>(x) << 16); }
-inline void store(float x, float* dst) { *dst = x; }
-inline void store(float x, uint16_t* dst) {
-  uint32_t bits = std::bit_cast<uint32_t>(x);
-  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even (inputs are finite)
-  *dst = static_cast<uint16_t>(bits >> 16);
-}
+using namespace sglang_cpu;
+
+constexpr int64_t kKeyBlock = 16;   // keys scored together (one lane each after the reduction)
+constexpr int64_t kMaxVecs = 16;    // head dim <= 256
+constexpr int64_t kChunk = 256;    // keys per work item (see run)
+constexpr int64_t kPrefetch = 12;   // rows prefetched ahead (the slots are scattered)
 
 // exp(x) for x <= 0: 2^n * e^r with n = round(x / ln 2) (rounded by adding and subtracting
-// 1.5 * 2^23, which vectorises where floor may not), |r| <= ln 2 / 2, e^r by its Taylor
-// polynomial of degree 6 (relative error < 2e-7); x below -87 gives ~1.6e-38 instead of 0-ish.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  const float p =
+// 1.5 * 2^23), |r| <= ln 2 / 2, e^r by its Taylor polynomial of degree 6 (relative error
+// < 2e-7); x below -87 gives ~1.6e-38.
+inline f32x16 exp16(f32x16 x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  const f32x16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const f32x16 r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  const f32x16 p =
       1.0f + r * (1.0f + r * (0.5f + r * (1.6666667e-1f + r * (4.1666668e-2f +
       r * (8.3333338e-3f + r * 1.3888889e-3f)))));
-  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  return p * (f32x16)((__builtin_convertvector(n, i32x16) + 127) << 23);
 }
 
-constexpr int64_t kLanes = 16;       // dot products are summed in 16 lanes, reduced per block
-constexpr int64_t kKeyBlock = 16;    // keys scored per block
-constexpr int64_t kValueBlock = 4;   // value rows accumulated per pass over the accumulators
 
-// A K or V row of D as float32: the row itself for float32, else converted into dst.
-template <typename KT>
-inline const float* row_f32(const KT* __restrict src, int64_t D, float* __restrict dst) {
-  if constexpr (std::is_same_v<KT, float>) {
-    return src;
-  } else {
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) dst[d] = load(src[d]);
-    return dst;
+template <typename T>
+inline void prefetch_row(const T* row, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + off);
   }
 }
 
-// Scratch floats that attend_one needs for G query heads of D and n keys.
-inline int64_t buf_floats(int64_t G, int64_t D, int64_t n) {
-  return 2 * G * D + kKeyBlock * D + kKeyBlock * kLanes + G * (n + 1);
+// The operands of one call, shared by every work item.
+template <typename T>
+struct Operands {
+  const T* q;            // [B, H*D], row stride q_stride
+  const T* k;            // pool [S, KVH, D], contiguous
+  const T* v;
+  const int64_t* table;  // req_to_token, row stride table_stride
+  const int64_t* rows;   // [B] pool rows
+  int64_t q_stride, table_stride, kvh, G, D;
+  float scale;
+  bool native_bf16;  // bfloat16 dot products by the CPU's own instruction, where it has one
+};
+
+// The G lane-partial dot products of the key row kr with the queries (qf: as float32; qraw: as
+// given), stored at part + g * part_stride. With bfloat16 operands on a CPU with AVX512-BF16,
+// one instruction multiplies 32 bfloat16 pairs (exactly) and adds them into 16 float32 lanes;
+// elsewhere the row is widened to float32 and multiplied in float32 (the same products).
+template <int kD, typename T>
+inline void key_partials(const Operands<T>& op, const float* qf, const T* qraw, const T* kr,
+                         float* part, int64_t part_stride) {
+  const int64_t G = op.G, D = kD ? kD : op.D;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t> && kD > 0 && kD % 32 == 0) {
+    if (op.native_bf16) {
+      __m512i kv[kD / 32];
+      for (int64_t c = 0; c < kD / 32; ++c) kv[c] = _mm512_loadu_si512(kr + 32 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t c = 0; c < kD / 32; ++c) {
+          s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(qraw + g * kD + 32 * c),
+                               (__m512bh)kv[c]);
+        }
+        _mm512_storeu_ps(part + g * part_stride, s);
+      }
+      return;
+    }
+  }
+#endif
+  f32x16 kv[kMaxVecs];
+  for (int64_t c = 0; c < D / kLanes; ++c) kv[c] = load16(kr + c * kLanes);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = qf + g * D;
+    f32x16 s = load16(qg) * kv[0];
+    for (int64_t c = 1; c < D / kLanes; ++c) s += load16(qg + c * kLanes) * kv[c];
+    store16(s, part + g * part_stride);
+  }
 }
 
-// One (request, KV head): q -> G query heads of D (kD if nonzero, else head_dim; a multiple of
-// kLanes), keys/values rows of D at the strides given, n real keys; writes G heads of D to out.
-// buf holds buf_floats(G, D, n) floats.
-template <int kD, typename QT, typename KT>
-void attend_one(const QT* __restrict q, const KT* __restrict k, const KT* __restrict v,
-                QT* __restrict out, int64_t n, int64_t G, int64_t head_dim, int64_t k_stride,
-                int64_t v_stride, float scale, float* __restrict buf) {
-  const int64_t D = kD ? kD : head_dim;
-  float* __restrict qf = buf;                     // [G, D] scaled queries
-  float* __restrict acc = qf + G * D;             // [G, D] value accumulators
-  float* __restrict rows = acc + G * D;           // [kKeyBlock, D] converted K or V rows
-  float* __restrict part = rows + kKeyBlock * D;  // [kKeyBlock, kLanes] partial dot products
-  float* __restrict inv_sum = part + kKeyBlock * kLanes;  // [G] 1 / softmax denominators
-  float* __restrict scores = inv_sum + G;                 // [G, n]
-  for (int64_t i = 0; i < G * D; ++i) qf[i] = load(q[i]) * scale;
+// One chunk [t0, t1) of one (request b, KV head h): for the G query heads of h, the softmax
+// max m[g] and sum l[g] over the chunk's keys and acc[g] = sum_t exp(s[g,t] - m[g]) v[t]
+// (unnormalised). scratch holds scratch_floats(G, D, t1 - t0) floats: the queries, the lane
+// partials, the scores and (for add_values_bf16_pairs) the weights as bfloat16.
+inline int64_t scratch_floats(int64_t G, int64_t D, int64_t n) {
+  const int64_t n_pad = (n + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+  return G * D + G * kKeyBlock * kLanes + G * n_pad + (G * n_pad + 1) / 2;
+}
 
-  // Scores, a block of keys at a time: lane-wise partial sums (no horizontal reduction per
-  // key), then each key's kLanes partials summed, vectorised across the block's keys.
-  const float* krow[kKeyBlock];
-  for (int64_t t0 = 0; t0 < n; t0 += kKeyBlock) {
-    const int64_t nb = std::min(kKeyBlock, n - t0);
-    for (int64_t t = 0; t < nb; ++t) krow[t] = row_f32(k + (t0 + t) * k_stride, D, rows + t * D);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qf + g * D;
-      for (int64_t t = 0; t < nb; ++t) {
-        const float* kr = krow[t];
-        float* pt = part + t * kLanes;
-#pragma omp simd
-        for (int64_t w = 0; w < kLanes; ++w) pt[w] = qg[w] * kr[w];
-        for (int64_t c = kLanes; c < D; c += kLanes) {
-#pragma omp simd
-          for (int64_t w = 0; w < kLanes; ++w) pt[w] += qg[c + w] * kr[c + w];
+// acc[g] = sum_t p[g, t] v[t] over the chunk's n keys (p: the softmax numerators, G rows of
+// n_pad floats; v[t] the V row of slots[t]). The accumulators of up to kHeads query heads stay
+// in registers for a pass over the V rows (a block's missing heads get weight 0).
+template <int kD, int64_t kHeads, typename T>
+void add_values_widened(const Operands<T>& op, const T* vh, const int64_t* slots, int64_t n,
+                        const float* p, int64_t n_pad, float* acc) {
+  const int64_t G = op.G, D = kD ? kD : op.D, nvec = D / kLanes, row = op.kvh * D;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  constexpr int64_t kVecs = kD ? kD / kLanes : kMaxVecs;
+  for (int64_t g0 = 0; g0 < G; g0 += kHeads) {
+    const int64_t gn = std::min(kHeads, G - g0);
+    f32x16 a[kHeads][kVecs];
+    for (int64_t gi = 0; gi < kHeads; ++gi) {
+      for (int64_t c = 0; c < nvec; ++c) a[gi][c] = splat(0.0f);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      if (t + kPrefetch < n) prefetch_row(vh + slots[t + kPrefetch] * row, row_bytes);
+      const T* vr = vh + slots[t] * row;
+      f32x16 vv[kVecs];
+      for (int64_t c = 0; c < nvec; ++c) vv[c] = load16(vr + c * kLanes);
+      for (int64_t gi = 0; gi < kHeads; ++gi) {
+        const float w = gi < gn ? p[(g0 + gi) * n_pad + t] : 0.0f;
+        for (int64_t c = 0; c < nvec; ++c) a[gi][c] += w * vv[c];
+      }
+    }
+    for (int64_t gi = 0; gi < gn; ++gi) {
+      for (int64_t c = 0; c < nvec; ++c) store16(a[gi][c], acc + (g0 + gi) * D + c * kLanes);
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The same sum for bfloat16 V on a CPU with AVX512-BF16: two keys at a time, their V rows
+// interleaved element by element (within 128-bit lanes), so that one instruction adds
+// p[t] v[t][d] + p[t+1] v[t+1][d] into the float32 lane of d, with the weights rounded to
+// bfloat16 (as SDPA's bfloat16 path rounds them for its product with V). The interleaving
+// permutes d within each 32 values; the stores undo it.
+template <int kD, int64_t kHeads>
+void add_values_bf16_pairs(const Operands<uint16_t>& op, const uint16_t* vh,
+                           const int64_t* slots, int64_t n, const float* p, int64_t n_pad,
+                           uint16_t* p16, float* acc) {
+  constexpr int64_t kVecs = kD / 32;  // 32 bfloat16 per register
+  const int64_t G = op.G, row = op.kvh * kD, row_bytes = kD * 2;
+  for (int64_t i = 0; i < G * n_pad; i += kLanes) {  // padding weights are 0 (and stay 0)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + i)));
+  }
+  for (int64_t g0 = 0; g0 < G; g0 += kHeads) {
+    const int64_t gn = std::min(kHeads, G - g0);
+    __m512 lo[kHeads][kVecs], hi[kHeads][kVecs];
+    for (int64_t gi = 0; gi < kHeads; ++gi) {
+      for (int64_t c = 0; c < kVecs; ++c) lo[gi][c] = hi[gi][c] = _mm512_setzero_ps();
+    }
+    for (int64_t t = 0; t < n; t += 2) {
+      if (t + kPrefetch + 1 < n) {
+        prefetch_row(vh + slots[t + kPrefetch] * row, row_bytes);
+        prefetch_row(vh + slots[t + kPrefetch + 1] * row, row_bytes);
+      }
+      const uint16_t* r0 = vh + slots[t] * row;
+      const uint16_t* r1 = t + 1 < n ? vh + slots[t + 1] * row : r0;  // its weight is 0
+      __m512i vlo[kVecs], vhi[kVecs];
+      for (int64_t c = 0; c < kVecs; ++c) {
+        const __m512i x = _mm512_loadu_si512(r0 + 32 * c), y = _mm512_loadu_si512(r1 + 32 * c);
+        vlo[c] = _mm512_unpacklo_epi16(x, y);
+        vhi[c] = _mm512_unpackhi_epi16(x, y);
+      }
+      for (int64_t gi = 0; gi < kHeads; ++gi) {
+        uint32_t pair = 0;
+        if (gi < gn) std::memcpy(&pair, p16 + (g0 + gi) * n_pad + t, sizeof pair);
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
+        for (int64_t c = 0; c < kVecs; ++c) {
+          lo[gi][c] = _mm512_dpbf16_ps(lo[gi][c], (__m512bh)vlo[c], w);
+          hi[gi][c] = _mm512_dpbf16_ps(hi[gi][c], (__m512bh)vhi[c], w);
         }
       }
-      float* sg = scores + g * n + t0;
-#pragma omp simd
-      for (int64_t t = 0; t < nb; ++t) {
-        float sum = 0.0f;
-        for (int64_t w = 0; w < kLanes; ++w) sum += part[t * kLanes + w];
-        sg[t] = sum;
+    }
+    // Lane j of lo holds d = 8 (j / 4) + j % 4 of its 32, of hi d = 8 (j / 4) + 4 + j % 4.
+    for (int64_t gi = 0; gi < gn; ++gi) {
+      for (int64_t c = 0; c < kVecs; ++c) {
+        alignas(64) float l[kLanes], h[kLanes];
+        _mm512_store_ps(l, lo[gi][c]);
+        _mm512_store_ps(h, hi[gi][c]);
+        float* out = acc + (g0 + gi) * kD + 32 * c;
+        for (int64_t j = 0; j < kLanes; ++j) {
+          out[8 * (j / 4) + j % 4] = l[j];
+          out[8 * (j / 4) + 4 + j % 4] = h[j];
+        }
       }
     }
   }
+}
+#endif
 
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * n;
-    float m = sg[0];
-#pragma omp simd reduction(max : m)
-    for (int64_t t = 0; t < n; ++t) m = sg[t] > m ? sg[t] : m;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      const float p = exp_nonpositive(sg[t] - m);
-      sg[t] = p;
-      sum += p;
-    }
-    inv_sum[g] = 1.0f / sum;
-  }
-
-  // Values, kValueBlock rows per pass over the accumulators (a lone row for the remainder).
-  std::fill(acc, acc + G * D, 0.0f);
-  int64_t t = 0;
-  for (; t + kValueBlock <= n; t += kValueBlock) {
-    const float* v0 = row_f32(v + t * v_stride, D, rows);
-    const float* v1 = row_f32(v + (t + 1) * v_stride, D, rows + D);
-    const float* v2 = row_f32(v + (t + 2) * v_stride, D, rows + 2 * D);
-    const float* v3 = row_f32(v + (t + 3) * v_stride, D, rows + 3 * D);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* pg = scores + g * n + t;
-      const float p0 = pg[0], p1 = pg[1], p2 = pg[2], p3 = pg[3];
-      float* ag = acc + g * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) ag[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+template <int kD, int64_t kHeads, typename T>
+void add_values(const Operands<T>& op, const T* vh, const int64_t* slots, int64_t n,
+                const float* p, int64_t n_pad, uint16_t* p16, float* acc) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t> && kD > 0 && kD % 32 == 0) {
+    if (op.native_bf16) {
+      return add_values_bf16_pairs<kD, kHeads>(op, vh, slots, n, p, n_pad, p16, acc);
     }
   }
-  for (; t < n; ++t) {
-    const float* vr = row_f32(v + t * v_stride, D, rows);
-    for (int64_t g = 0; g < G; ++g) {
-      const float p = scores[g * n + t];
-      float* ag = acc + g * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) ag[d] += p * vr[d];
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t d = 0; d < D; ++d) store(acc[g * D + d] * inv_sum[g], out + g * D + d);
-  }
+#endif
+  add_values_widened<kD, kHeads, T>(op, vh, slots, n, p, n_pad, acc);
 }
 
-template <int kD, typename QT, typename KT>
-void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-         const std::vector<int64_t>& lens, double scale, torch::Tensor& out) {
-  const int64_t B = keys.size(0), KVH = keys.size(1), D = keys.size(3);
-  const int64_t G = q.size(1) / (KVH * D), max_len = keys.size(2);
-  const QT* qp = reinterpret_cast<const QT*>(q.data_ptr());
-  const KT* kp = reinterpret_cast<const KT*>(keys.data_ptr());
-  const KT* vp = reinterpret_cast<const KT*>(values.data_ptr());
-  QT* op = reinterpret_cast<QT*>(out.data_ptr());
-  const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
-  const int64_t kb = keys.stride(0), kh = keys.stride(1), kt = keys.stride(2);
-  const int64_t vb = values.stride(0), vh = values.stride(1), vt = values.stride(2);
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(buf_floats(G, D, max_len));
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / KVH, h = i % KVH;
-      attend_one<kD, QT, KT>(qp + b * q_stride + h * G * D, kp + b * kb + h * kh,
-                             vp + b * vb + h * vh, op + b * out_stride + h * G * D, lens[b], G,
-                             D, kt, vt, static_cast<float>(scale), buf.data());
+template <int kD, int64_t kHeads, typename T>
+void attend_chunk(const Operands<T>& op, int64_t b, int64_t h, int64_t t0, int64_t t1,
+                  float* scratch, float* m, float* l, float* acc) {
+  const int64_t G = op.G, D = kD ? kD : op.D, nvec = D / kLanes, row = op.kvh * D;
+  const int64_t n = t1 - t0, n_pad = (n + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  const int64_t* slots = op.table + op.rows[b] * op.table_stride + t0;
+  const T* kh = op.k + h * D;
+  const T* vh = op.v + h * D;
+  float* qf = scratch;                           // [G, D] queries as float32
+  float* part = qf + G * D;                      // [G, kKeyBlock, kLanes] lane partials
+  float* scores = part + G * kKeyBlock * kLanes;  // [G, n_pad]
+  const T* qh = op.q + b * op.q_stride + h * G * D;
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = load1(qh[i]);
+
+  // Scores: per key, G lane-partial dot products; per block of 16 keys, one reduction tree
+  // per query head turns 16 partial vectors into 16 scores.
+  std::fill(part, part + G * kKeyBlock * kLanes, 0.0f);
+  for (int64_t tb = 0; tb < n; tb += kKeyBlock) {
+    const int64_t nb = std::min(kKeyBlock, n - tb);
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t t = tb + j;
+      if (t + kPrefetch < n) prefetch_row(kh + slots[t + kPrefetch] * row, row_bytes);
+      key_partials<kD, T>(op, qf, qh, kh + slots[t] * row, part + j * kLanes,
+                          kKeyBlock * kLanes);
+    }
+    if (nb < kKeyBlock) {  // the last block's unused partials: zero, so its lanes stay finite
+      for (int64_t g = 0; g < G; ++g) {
+        std::fill(part + (g * kKeyBlock + nb) * kLanes, part + (g + 1) * kKeyBlock * kLanes,
+                  0.0f);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      f32x16 vecs[kKeyBlock];
+      for (int64_t j = 0; j < kKeyBlock; ++j) vecs[j] = load16(part + (g * kKeyBlock + j) * kLanes);
+      store16(sum_lanes16(vecs) * op.scale, scores + g * n_pad + tb);
+    }
+  }
+
+  // Softmax numerators over the real keys; the padding lanes become 0.
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * n_pad;
+    float mx = sg[0];
+    for (int64_t t = 1; t < n; ++t) mx = std::max(mx, sg[t]);
+    f32x16 sum = splat(0.0f);
+    for (int64_t t = 0; t < n_pad; t += kLanes) {
+      f32x16 p = exp16(load16(sg + t) - mx);
+      if (t + kLanes > n) {
+        for (int64_t w = n - t; w < kLanes; ++w) p[w] = 0.0f;
+      }
+      store16(p, sg + t);
+      sum += p;
+    }
+    float total = 0.0f;
+    for (int64_t w = 0; w < kLanes; ++w) total += sum[w];
+    m[g] = mx;
+    l[g] = total;
+  }
+
+  add_values<kD, kHeads, T>(op, vh, slots, n, scores, n_pad,
+                            reinterpret_cast<uint16_t*>(scores + G * n_pad), acc);
+}
+
+struct Item {
+  int64_t b, h, t0, t1;
+  int64_t part;  // index of its partial result when (b, h) is split, else -1
+};
+
+struct Split {  // a (request b, KV head h) computed in `count` chunks, partials first.. first+count
+  int64_t b, h, first, count;
+};
+
+template <int kD, int64_t kHeads, typename T>
+void run(const Operands<T>& op, const std::vector<int64_t>& lens, T* out, int64_t out_stride) {
+  const int64_t B = static_cast<int64_t>(lens.size()), KVH = op.kvh, G = op.G, D = op.D;
+  const int64_t threads = at::get_num_threads();
+  // Each (request, KV head) is computed in chunks of kChunk keys, whose partial softmaxes are
+  // merged after: the chunks keep every thread busy at small batches (batch-1 decode), and as
+  // the split depends on the length alone, a request's result does not depend on the batch it
+  // is in or on the number of threads.
+  std::vector<Item> items;
+  std::vector<Split> splits;
+  int64_t parts = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = lens[b], chunks = (n + kChunk - 1) / kChunk;
+    for (int64_t h = 0; h < KVH; ++h) {
+      if (chunks > 1) splits.push_back({b, h, parts, chunks});
+      for (int64_t t0 = 0; t0 < n; t0 += kChunk) {
+        items.push_back({b, h, t0, std::min(n, t0 + kChunk), chunks > 1 ? parts++ : -1});
+      }
+    }
+  }
+  // Longest first, handed out one at a time: the threads finish together.
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
+    return x.t1 - x.t0 > y.t1 - y.t0;
+  });
+  const int64_t part_floats = G * (D + 2);  // m[G], l[G], acc[G, D]
+  std::vector<float> partials(parts * part_floats);
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch(scratch_floats(G, D, kChunk));
+    std::vector<float> result(G * (D + 2));
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+      const Item& it = items[i];
+      float* res = it.part >= 0 ? partials.data() + it.part * part_floats : result.data();
+      float *m = res, *l = res + G, *acc = res + 2 * G;
+      attend_chunk<kD, kHeads, T>(op, it.b, it.h, it.t0, it.t1, scratch.data(), m, l, acc);
+      if (it.part >= 0) continue;
+      T* o = out + it.b * out_stride + it.h * G * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.0f / l[g];
+        for (int64_t c = 0; c < D; c += kLanes) {
+          store16(load16(acc + g * D + c) * inv, o + g * D + c);
+        }
+      }
+    }
+  });
+  // Merge the chunks of each split pair: rescale each to the common max, then normalise.
+  const int64_t num_split = static_cast<int64_t>(splits.size());
+  at::parallel_for(0, num_split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t s = begin; s < end; ++s) {
+      const Split& sp = splits[s];
+      const float* first = partials.data() + sp.first * part_floats;
+      T* o = out + sp.b * out_stride + sp.h * G * D;
+      for (int64_t g = 0; g < G; ++g) {
+        float mx = first[g];
+        for (int64_t c = 1; c < sp.count; ++c) mx = std::max(mx, first[c * part_floats + g]);
+        float total = 0.0f;
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t c = 0; c < sp.count; ++c) {
+          const float* pc = first + c * part_floats;
+          const float w = std::exp(pc[g] - mx);
+          total += w * pc[G + g];
+          for (int64_t d = 0; d < D; ++d) acc[d] += w * pc[2 * G + g * D + d];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t c = 0; c < D; c += kLanes) {
+          store16(load16(acc.data() + c) * inv, o + g * D + c);
+        }
+      }
     }
   });
 }
 
-// The head dims of common models get loops of a fixed trip count; others a runtime one.
-template <typename QT, typename KT>
-void dispatch_head_dim(const torch::Tensor& q, const torch::Tensor& keys,
-                       const torch::Tensor& values, const std::vector<int64_t>& lens,
-                       double scale, torch::Tensor& out) {
-  switch (keys.size(3)) {
-    case 64: return run<64, QT, KT>(q, keys, values, lens, scale, out);
-    case 128: return run<128, QT, KT>(q, keys, values, lens, scale, out);
-    default: return run<0, QT, KT>(q, keys, values, lens, scale, out);
+template <typename T>
+void dispatch_head_dim(const Operands<T>& op, const std::vector<int64_t>& lens, T* out,
+                       int64_t out_stride) {
+  // kHeads: query heads whose value accumulators fit in the registers at once (3 where the
+  // group size is a multiple of 3, e.g. SmolLM2's 9/3, so that no pass carries an idle head).
+  switch (op.D) {
+    case 64:
+      if (op.G % 3 == 0) return run<64, 3, T>(op, lens, out, out_stride);
+      return run<64, 4, T>(op, lens, out, out_stride);
+    case 128: return run<128, 2, T>(op, lens, out, out_stride);
+    default: return run<0, 1, T>(op, lens, out, out_stride);
   }
 }
 
-template <typename QT>
-void dispatch_kv(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                 const std::vector<int64_t>& lens, double scale, torch::Tensor& out) {
-  if (keys.scalar_type() == at::kFloat) {
-    dispatch_head_dim<QT, float>(q, keys, values, lens, scale, out);
-  } else {
-    dispatch_head_dim<QT, uint16_t>(q, keys, values, lens, scale, out);
-  }
+template <typename T>
+void launch(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+            const torch::Tensor& table, const torch::Tensor& rows,
+            const std::vector<int64_t>& lens, double scale, bool native_bf16,
+            torch::Tensor& out) {
+  const int64_t KVH = k_cache.size(1), D = k_cache.size(2);
+  const Operands<T> op{reinterpret_cast<const T*>(q.data_ptr()),
+                       reinterpret_cast<const T*>(k_cache.data_ptr()),
+                       reinterpret_cast<const T*>(v_cache.data_ptr()),
+                       table.data_ptr<int64_t>(),
+                       rows.data_ptr<int64_t>(),
+                       q.stride(0),
+                       table.stride(0),
+                       KVH,
+                       q.size(1) / (KVH * D),
+                       D,
+                       static_cast<float>(scale),
+                       native_bf16};
+  dispatch_head_dim<T>(op, lens, reinterpret_cast<T*>(out.data_ptr()), out.stride(0));
 }
 
 }  // namespace
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
-                               torch::Tensor lens, double scale) {
-  TORCH_CHECK(q.dim() == 2 && keys.dim() == 4 && values.sizes() == keys.sizes(),
-              "q must be [b, H*D], keys/values [b, KVH, len, D]");
-  TORCH_CHECK(q.size(0) == keys.size(0) && lens.numel() == keys.size(0), "batch mismatch");
-  TORCH_CHECK(q.size(1) % (keys.size(1) * keys.size(3)) == 0, "H*D not a multiple of KVH*D");
-  TORCH_CHECK(q.stride(1) == 1 && keys.stride(3) == 1 && values.stride(3) == 1,
-              "the head dim must be contiguous");
-  TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "keys and values differ in dtype");
-  TORCH_CHECK(keys.size(3) % kLanes == 0, "the head dim must be a multiple of 16");
-  for (const auto& t : {q, keys}) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
-                "float32 or bfloat16 only");
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor req_to_token, torch::Tensor req_pool_indices,
+                               torch::Tensor seq_lens, double scale, bool native_bf16) {
+  TORCH_CHECK(q.dim() == 2 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
+              "q must be [b, H*D], k_cache/v_cache [slots, KVH, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && q.stride(1) == 1,
+              "the pool buffers must be contiguous and q's rows dense");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "q, k_cache and v_cache must have one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "float32 or bfloat16 only");
+  const int64_t KVH = k_cache.size(1), D = k_cache.size(2), B = q.size(0);
+  TORCH_CHECK(D % kLanes == 0 && D <= kLanes * kMaxVecs, "the head dim must be 16, 32, ..., 256");
+  TORCH_CHECK(q.size(1) % (KVH * D) == 0, "H*D must be a multiple of KVH*D");
+  TORCH_CHECK(req_to_token.dim() == 2 && req_to_token.scalar_type() == at::kLong &&
+                  req_to_token.stride(1) == 1,
+              "req_to_token must be a row-major int64 table");
+  TORCH_CHECK(req_pool_indices.numel() == B && seq_lens.numel() == B, "batch mismatch");
+  const torch::Tensor rows = req_pool_indices.to(at::kLong).contiguous();
+  const torch::Tensor lens64 = seq_lens.to(at::kLong).contiguous();
+  std::vector<int64_t> lens(lens64.data_ptr<int64_t>(), lens64.data_ptr<int64_t>() + B);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t row = rows.data_ptr<int64_t>()[b];
+    TORCH_CHECK(row >= 0 && row < req_to_token.size(0), "req_pool_indices out of range");
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= req_to_token.size(1),
+                "seq_lens must be in [1, req_to_token.size(1)]");
   }
-  const torch::Tensor lens64 = lens.to(at::kLong).contiguous();
-  std::vector<int64_t> lens_v(lens64.data_ptr<int64_t>(),
-                              lens64.data_ptr<int64_t>() + lens64.numel());
-  for (int64_t n : lens_v) {
-    TORCH_CHECK(n >= 1 && n <= keys.size(2), "lens must be in [1, keys.size(2)]");
-  }
-  torch::Tensor out = torch::empty_like(q, at::MemoryFormat::Contiguous);
+  torch::Tensor out = torch::empty({B, q.size(1)}, q.options());
   if (q.scalar_type() == at::kFloat) {
-    dispatch_kv<float>(q, keys, values, lens_v, scale, out);
+    launch<float>(q, k_cache, v_cache, req_to_token, rows, lens, scale, native_bf16, out);
   } else {
-    dispatch_kv<uint16_t>(q, keys, values, lens_v, scale, out);
+    launch<uint16_t>(q, k_cache, v_cache, req_to_token, rows, lens, scale, native_bf16, out);
   }
   return out;
 }
 """
 
 _CPP_DECLARATION = (
-    "torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, "
-    "torch::Tensor lens, double scale);"
+    "torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, "
+    "torch::Tensor v_cache, torch::Tensor req_to_token, torch::Tensor req_pool_indices, "
+    "torch::Tensor seq_lens, double scale, bool native_bf16);"
 )
 
 # The built module once load_kernel() succeeded.
@@ -279,36 +472,45 @@ def load_kernel() -> bool:
     return _module is not None
 
 
-def kernel_supports(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether :func:`decode_attention` takes these operands (CPU, float32/bfloat16, contiguous
-    head dim, a multiple of 16); the caller uses SDPA otherwise."""
+def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether :func:`decode_attention` takes these operands (CPU; float32 or bfloat16 for all
+    three; dense rows of ``q``; contiguous pool buffers; a head dim of 16, 32, ..., 256); the
+    caller uses SDPA otherwise."""
     return (
-        q.device.type == "cpu"
-        and keys.device.type == "cpu"
+        all(t.device.type == "cpu" for t in (q, k_cache, v_cache))
         and q.dtype in _SUPPORTED_DTYPES
-        and keys.dtype in _SUPPORTED_DTYPES
-        and values.dtype == keys.dtype
+        and k_cache.dtype == q.dtype
+        and v_cache.dtype == q.dtype
         and q.stride(-1) == 1
-        and keys.stride(-1) == 1
-        and values.stride(-1) == 1
-        and keys.shape[-1] % 16 == 0
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and k_cache.shape[-1] % 16 == 0
+        and k_cache.shape[-1] <= 256
     )
 
 
 def decode_attention(
     q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    lens: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
     scale: float,
+    native_bf16: bool = True,
 ) -> torch.Tensor:
-    """Decode attention of ``q`` [b, H*D] over ``keys``/``values`` [b, KVH, len, D] (any
-    strides but a contiguous head dim, a multiple of 16), row ``i`` attending to its first
-    ``lens[i]`` keys only (``1 <= lens[i] <= len``; ``lens`` an int CPU tensor [b]). Query head
-    ``j`` uses KV head ``j // (H / KVH)``. Returns [b, H*D] in ``q``'s dtype, computed in
-    float32.
+    """Decode attention of ``q`` [b, H*D] over one layer's pool buffers ``k_cache`` /
+    ``v_cache`` [slots, KVH, D]: row ``i`` attends to the keys at slots
+    ``req_to_token[req_pool_indices[i], :seq_lens[i]]`` (``1 <= seq_lens[i]``; int CPU tensors
+    [b]). Query head ``j`` uses KV head ``j // (H / KVH)``. Returns [b, H*D] in ``q``'s dtype,
+    computed in float32. Raises RuntimeError for operands outside that contract.
+
+    ``native_bf16=False`` makes a host with AVX512-BF16 take the portable code path for
+    bfloat16 dot products, as hosts without it do (the tests compare the two).
 
     Precondition: :func:`load_kernel` returned True and :func:`kernel_supports` holds.
     """
-    assert isinstance(_module, ModuleType), "load_kernel() must succeed first"
-    return _module.decode_attention(q, keys, values, lens, scale)
+    assert _module is not None, "load_kernel() must succeed first"
+    return _module.decode_attention(
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, native_bf16
+    )

@@ -19,6 +19,94 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
+# C++ shared by the kernels (prepended to each one's source): GCC vector types of 16 float32
+# lanes, lowered to one AVX-512 register, two AVX2 registers or four NEON registers, whatever
+# the host has (-march=native); float32/bfloat16 loads and stores of 16 lanes (bfloat16 handled
+# as its raw 16 bits, the high half of a float32; stores round to nearest even, for finite
+# values); and a reduction of 16 vectors to their 16 lane sums.
+CPP_VECTOR_PRELUDE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace sglang_cpu {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+constexpr int64_t kLanes = 16;
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline f32x16 load16(const uint16_t* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  return (f32x16)(__builtin_convertvector(h, u32x16) << 16);
+}
+inline void store16(f32x16 v, float* p) { std::memcpy(p, &v, sizeof v); }
+inline void store16(f32x16 v, uint16_t* p) {
+  u32x16 bits = (u32x16)v;
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  const u16x16 h = __builtin_convertvector(bits >> 16, u16x16);
+  std::memcpy(p, &h, sizeof h);
+}
+inline float load1(float x) { return x; }
+inline float load1(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline f32x16 splat(float x) { return f32x16{} + x; }
+
+// out[j] = the sum of the 16 lanes of v[j]: a shuffle-add tree (15 pair steps), which leaves
+// lane j holding v[bit-reversed j]; a final shuffle restores the order.
+inline f32x16 sum_lanes16(const f32x16* v) {
+  f32x16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {
+    a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10,
+                                   11, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13,
+                                   14, 15, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24,
+                                   25, 12, 13, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11,
+                                   26, 27, 14, 15, 30, 31);
+  }
+  const f32x16 d = __builtin_shufflevector(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10,
+                                           26, 12, 28, 14, 30) +
+                   __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11,
+                                           27, 13, 29, 15, 31);
+  return __builtin_shufflevector(d, d, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
+}  // namespace sglang_cpu
+"""
+
 # name -> the built module, or None once it failed (warned once).
 _built: dict[str, ModuleType | None] = {}
 

@@ -22,6 +22,7 @@ from sglang.srt.distributed.parallel_state import (
 )
 from sglang.srt.layers.attention import get_attention_backend_class
 from sglang.srt.layers.batch_invariant import enable_batch_invariant_mode
+from sglang.srt.layers.cpu_gemv import load_kernel as load_small_linear_kernel
 from sglang.srt.layers.cpu_prepack import (
     PackedLinear,
     enable_cpu_weight_prepack,
@@ -164,6 +165,7 @@ class ModelRunner:
             or (args.cpu_bf16_linear == "auto" and not native_bf16_supported())
         )
         packers = enable_cpu_weight_prepack(self.model, upcast_bf16=upcast)
+        load_small_linear_kernel()  # built now (cached across runs), not mid-decode
         nbytes = pack_now(self.model)
         logger.info(
             "CPU weight prepack: %d linear layers, %.1f MiB of packed %s copies "

@@ -65,7 +65,6 @@ class BucketStep:
     fill_range: tuple[int, int]  # this bucket's part of MirrorPlan.fill_src
     fill_dst: torch.Tensor  # [F_b] int64 flat index row * len_cap + position in the bucket
     mask: torch.Tensor | None  # [num_rows, 1, 1, max_len] bool, True = real key; None: no padding
-    lens: torch.Tensor  # [num_rows] int64 keys of each bucket row (the mask's count of True)
     batch_rows: torch.Tensor | None  # [num_rows] batch row of each bucket row; None: identity
 
 
@@ -242,11 +241,11 @@ class DecodeKVMirror:
         max_len = max(lens)
         mask = None
         num_rows = len(rows)
-        bucket_lens = [0] * num_rows
-        for w, n in zip(bucket_rows, lens):
-            bucket_lens[w] = n
-        lens_t = torch.tensor(bucket_lens, device=device)
         if min(lens) != max_len:
+            bucket_lens = [0] * num_rows
+            for w, n in zip(bucket_rows, lens):
+                bucket_lens[w] = n
+            lens_t = torch.tensor(bucket_lens, device=device)
             mask = torch.arange(max_len, device=device)[None, :] < lens_t[:, None]
             mask = mask[:, None, None, :]
         batch_of = [0] * num_rows
@@ -255,5 +254,5 @@ class DecodeKVMirror:
         identity = num_rows == forward_batch.batch_size and batch_of == list(range(num_rows))
         batch_rows = None if identity else torch.tensor(batch_of, device=device)
         fill_range = (fill_offset, fill_offset + src.numel())
-        step = BucketStep(bucket, num_rows, max_len, fill_range, dst, mask, lens_t, batch_rows)
+        step = BucketStep(bucket, num_rows, max_len, fill_range, dst, mask, batch_rows)
         return step, src

@@ -31,10 +31,12 @@ kernels enabled, EXTEND is instead one call per layer for the whole batch to the
 ``req_to_token`` (no gather, no mask) with flash-style tiling: per layer 1.3-2.2x faster than
 the SDPA loop in float32 and 2-3.6x in bfloat16 (docs/performance.md).
 
-On CPU the decode SDPA call is replaced by the C++ kernel of
-:mod:`sglang.srt.layers.cpu_decode_attention` (1.5-3.9x faster per layer) once the model runner
-has called :meth:`TorchNativeAttnBackend.enable_cpu_decode_kernel`; it reads the same mirror or
-gathered views, but only each row's real keys (``lens``) instead of masking the padding.
+On CPU, decode runs instead in the C++ paged kernel of
+:mod:`sglang.srt.layers.cpu_decode_attention` once the model runner has called
+:meth:`TorchNativeAttnBackend.enable_cpu_decode_kernel`: one call per layer for the whole batch,
+reading each request's keys straight from the pool through its ``req_to_token`` row (no mirror,
+no gather, no padding). The mirror and the gathers above remain the SDPA path
+(``--disable-cpu-attention-kernel``, CUDA, operands the kernel does not take).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from sglang.srt.layers.cpu_decode_attention import decode_attention, kernel_supp
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -66,10 +69,17 @@ class DecodeGroup:
     slot_ids: torch.Tensor  # [b * max_len] int64: KV slots row-major, padding -> dummy slot 0
     mask: torch.Tensor | None  # [b, 1, 1, max_len] bool, True = real key; None if no padding
     max_len: int  # longest sequence of the group
-    lens: torch.Tensor  # [b] keys of each row (the mask's count of True)
     # First slot when the group is one request whose slots are consecutive (the usual batch-1
     # decode): its K/V are then read as a view of the pool instead of gathered (a copy).
     contiguous_start: int | None = None
+
+
+@dataclass
+class PagedDecodeMetadata:
+    """Decode by the CPU paged kernel: it reads the batch's own pool rows and lengths."""
+
+    req_pool_indices: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int64, on the host
 
 
 @dataclass
@@ -181,19 +191,32 @@ class TorchNativeAttnBackend(AttentionBackend):
         return self.uses_cpu_kernel
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        """Set ``forward_batch.attn_metadata`` to a MirrorPlan, DecodeMetadata or
-        ExtendMetadata."""
+        """Set ``forward_batch.attn_metadata`` to a PagedDecodeMetadata, MirrorPlan,
+        DecodeMetadata or ExtendMetadata."""
         if not forward_batch.is_decode:
             forward_batch.attn_metadata = self._extend_metadata(forward_batch)
             return
-        plan = None
         pool = forward_batch.kv_pool
+        if self._paged_decode_applies(pool):
+            forward_batch.attn_metadata = PagedDecodeMetadata(
+                forward_batch.req_pool_indices, forward_batch.seq_lens
+            )
+            return
+        plan = None
         if torch.device(pool.device).type == "cpu" and not self._lone_contiguous(forward_batch):
             if self._mirror is None or self._mirror.pool is not pool:
                 # Budget: the mirror may at most double the memory of the KV pool.
                 self._mirror = DecodeKVMirror(pool, budget_tokens=pool.size)
             plan = self._mirror.plan(forward_batch)
         forward_batch.attn_metadata = plan or self._decode_metadata(forward_batch)
+
+    def _paged_decode_applies(self, pool: MHATokenToKVPool) -> bool:
+        """Whether decode runs in the CPU paged kernel: enabled, and it takes the pool's
+        buffers (the query has the pool's dtype)."""
+        if not self.uses_cpu_kernel:
+            return False
+        k_cache, v_cache = pool.get_kv_buffer(0)
+        return kernel_supports(k_cache.new_empty((1, k_cache.shape[-1])), k_cache, v_cache)
 
     def release_memory(self) -> None:
         """Free the decode mirror (rebuilt from the pool by the next decode batch)."""
@@ -229,7 +252,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                 slots = slots.masked_fill(~mask, 0)
                 mask = mask[:, None, None, :]
             start = _contiguous_start(slots) if slots.shape[0] == 1 else None
-            groups.append(DecodeGroup(rows_t, slots.reshape(-1), mask, max_len, seq_lens, start))
+            groups.append(DecodeGroup(rows_t, slots.reshape(-1), mask, max_len, start))
         return DecodeMetadata(groups)
 
     @staticmethod
@@ -250,7 +273,15 @@ class TorchNativeAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         self.store_kv(k, v, layer, forward_batch)
-        if isinstance(forward_batch.attn_metadata, MirrorPlan):
+        meta = forward_batch.attn_metadata
+        if isinstance(meta, PagedDecodeMetadata):
+            k_cache, v_cache = forward_batch.kv_pool.get_kv_buffer(layer.layer_id)
+            table = forward_batch.req_to_token_pool.req_to_token
+            q = q.reshape(q.shape[0], -1)
+            return decode_attention(
+                q, k_cache, v_cache, table, meta.req_pool_indices, meta.seq_lens, layer.scaling
+            )
+        if isinstance(meta, MirrorPlan):
             return self._decode_mirror(q, forward_batch.attn_metadata, layer)
         groups = forward_batch.attn_metadata.groups
         if groups[0].rows is None:
@@ -272,7 +303,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         for step in plan.steps:
             keys, values = mirror.keys_values(layer.layer_id, step)
             step_q = q if step.batch_rows is None else q.index_select(0, step.batch_rows)
-            step_out = self._attend(step_q, keys, values, step.mask, step.lens, layer)
+            step_out = _sdpa_decode(step_q, keys, values, step.mask, layer)
             if step.batch_rows is None:  # the whole batch, in batch order
                 return step_out
             if out is None:
@@ -300,22 +331,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         else:
             keys = k_cache.index_select(0, group.slot_ids).view(kv_shape).transpose(1, 2)
             values = v_cache.index_select(0, group.slot_ids).view(kv_shape).transpose(1, 2)
-        return self._attend(q, keys, values, group.mask, group.lens, layer)
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        mask: torch.Tensor | None,
-        lens: torch.Tensor,
-        layer: RadixAttention,
-    ) -> torch.Tensor:
-        """Decode attention of ``q`` [b, H*D] over ``keys``/``values`` [b, KVH, len, D], row i
-        over its first ``lens[i]`` keys (``mask`` says the same for SDPA); returns [b, H*D]."""
-        if self.uses_cpu_kernel and kernel_supports(q, keys, values):
-            return decode_attention(q.reshape(q.shape[0], -1), keys, values, lens, layer.scaling)
-        return _sdpa_decode(q, keys, values, mask, layer)
+        return _sdpa_decode(q, keys, values, group.mask, layer)
 
     def forward_extend(
         self,

@@ -1,0 +1,199 @@
+"""A C++ product for the few-row linear layers of small decode batches on CPU.
+
+With one to four input rows (batch-1 decode and the tail of a batch) a linear layer is bound by
+reading its weight, once, from memory; oneDNN's packed kernel reads bfloat16 weights there at
+about half the memory bandwidth of a 2-core host (SmolLM2-135M's 121 layers: ~14 ms a step).
+This kernel streams the row-major weight itself (no packed copy involved), spread over torch's
+threads in blocks of output features, and multiplies each weight row by every input row while
+it is in registers:
+
+    y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n])     for m < M <= 4
+
+accumulated in float32 (16 lanes per output, the lanes of 16 outputs summed by one shuffle
+tree), rounded once to the output dtype (bfloat16: to nearest even), the bias added before
+the rounding. bfloat16 products use the CPU's ``vdpbf16ps`` where it has AVX512-BF16, else
+they are widened to float32 (the same products); the vector code is GCC's portable vector
+types (AVX-512, AVX2 or NEON). Built by :func:`~sglang.srt.layers.cpu_extension.build_cpu_extension`
+at model load; where it cannot be built :func:`load_kernel` returns False and the packed
+product serves every batch.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from sglang.srt.layers.cpu_extension import CPP_VECTOR_PRELUDE, build_cpu_extension
+
+# The most input rows small_linear takes (cpu_prepack uses it up to SMALL_BATCH_ROWS).
+MAX_ROWS = 4
+
+_CPP_SOURCE = CPP_VECTOR_PRELUDE + r"""
+namespace {
+
+using namespace sglang_cpu;
+
+constexpr int64_t kMaxRows = 4;
+constexpr int64_t kBlock = 16;  // output features reduced together
+
+// Lane partials of weight row w with the kM input rows: part[m] (16 floats).
+template <int64_t kM, typename T>
+inline void row_partials(const T* x, int64_t x_stride, const T* w, int64_t K, bool native,
+                         f32x16* part) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (native) {
+      __m512 acc[kM];
+      for (int64_t m = 0; m < kM; ++m) acc[m] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 32) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+        for (int64_t m = 0; m < kM; ++m) {
+          acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(x + m * x_stride + k),
+                                    wv);
+        }
+      }
+      for (int64_t m = 0; m < kM; ++m) std::memcpy(&part[m], &acc[m], sizeof acc[m]);
+      return;
+    }
+  }
+#endif
+  f32x16 acc[kM];
+  for (int64_t m = 0; m < kM; ++m) acc[m] = f32x16{};
+  for (int64_t k = 0; k < K; k += kLanes) {
+    const f32x16 wv = load16(w + k);
+    for (int64_t m = 0; m < kM; ++m) acc[m] += load16(x + m * x_stride + k) * wv;
+  }
+  for (int64_t m = 0; m < kM; ++m) part[m] = acc[m];
+}
+
+template <int64_t kM, typename T>
+void run(const T* x, int64_t x_stride, const T* w, const T* bias, T* y, int64_t N, int64_t K,
+         bool native) {
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  // ~64 KiB of weight per task at least, so that small layers do not pay for the threads.
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kBlock * K * sizeof(T)));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    f32x16 part[kM][kBlock];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * kBlock, nb = std::min(kBlock, N - n0);
+      for (int64_t j = 0; j < kBlock; ++j) {
+        f32x16 row[kM];
+        if (j < nb) {
+          row_partials<kM, T>(x, x_stride, w + (n0 + j) * K, K, native, row);
+        } else {
+          for (int64_t m = 0; m < kM; ++m) row[m] = f32x16{};
+        }
+        for (int64_t m = 0; m < kM; ++m) part[m][j] = row[m];
+      }
+      for (int64_t m = 0; m < kM; ++m) {
+        f32x16 sums = sum_lanes16(part[m]);
+        if (bias != nullptr) {
+          for (int64_t j = 0; j < nb; ++j) sums[j] += load16(bias + n0 + j)[0];
+        }
+        alignas(64) T out[kLanes];
+        store16(sums, out);
+        std::memcpy(y + m * N + n0, out, nb * sizeof(T));
+      }
+    }
+  });
+}
+
+template <typename T>
+void dispatch_rows(const torch::Tensor& x, const torch::Tensor& w, const T* bias, torch::Tensor& y,
+                   bool native) {
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  const T* wp = reinterpret_cast<const T*>(w.data_ptr());
+  T* yp = reinterpret_cast<T*>(y.data_ptr());
+  const int64_t N = w.size(0), K = w.size(1), xs = x.stride(0);
+  switch (x.size(0)) {
+    case 1: return run<1, T>(xp, xs, wp, bias, yp, N, K, native);
+    case 2: return run<2, T>(xp, xs, wp, bias, yp, N, K, native);
+    case 3: return run<3, T>(xp, xs, wp, bias, yp, N, K, native);
+    default: return run<4, T>(xp, xs, wp, bias, yp, N, K, native);
+  }
+}
+
+}  // namespace
+
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias,
+                           bool native_bf16) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "x must be [M, K] and weight [N, K]");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "x must have 1 to 4 rows");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must have one dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "float32 or bfloat16 only");
+  TORCH_CHECK(weight.is_contiguous() && x.stride(1) == 1, "weight and x's rows must be dense");
+  TORCH_CHECK(weight.size(1) % 32 == 0, "in_features must be a multiple of 32");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->is_contiguous() &&
+                    bias->numel() == weight.size(0),
+                "bias must be a dense [N] tensor of x's dtype");
+  }
+  torch::Tensor y = torch::empty({x.size(0), weight.size(0)}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    dispatch_rows<float>(x, weight, has_bias ? bias->data_ptr<float>() : nullptr, y, native_bf16);
+  } else {
+    const uint16_t* b = has_bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
+    dispatch_rows<uint16_t>(x, weight, b, y, native_bf16);
+  }
+  return y;
+}
+"""
+
+_CPP_DECLARATION = (
+    "torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, "
+    "c10::optional<torch::Tensor> bias, bool native_bf16);"
+)
+
+# The built module once load_kernel() succeeded.
+_module: ModuleType | None = None
+
+
+def load_kernel() -> bool:
+    """Build (or load from torch's extension cache) the kernel once per process; True when
+    :func:`small_linear` can be used."""
+    global _module
+    if _module is None:
+        _module = build_cpu_extension(
+            "sglang_cpu_small_linear",
+            _CPP_DECLARATION,
+            _CPP_SOURCE,
+            ["small_linear"],
+            "CPU small-batch linear kernel",
+        )
+    return _module is not None
+
+
+def kernel_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether :func:`small_linear` takes these operands: loaded, CPU, 1 to ``MAX_ROWS`` dense
+    rows of float32 or bfloat16, a contiguous weight of the same dtype with ``in_features`` a
+    multiple of 32, no bias or a dense one of that dtype."""
+    return (
+        _module is not None
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= MAX_ROWS
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype == x.dtype
+        and x.stride(1) == 1
+        and weight.is_contiguous()
+        and weight.shape[1] % 32 == 0
+        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+    )
+
+
+def small_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, native_bf16: bool = True
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` [M, K] with ``1 <= M <= MAX_ROWS`` (see the module
+    docstring for the arithmetic); [M, N] in x's dtype. ``native_bf16=False`` makes a host
+    with AVX512-BF16 take the portable bfloat16 path (the tests compare the two).
+
+    Precondition: :func:`kernel_supports` holds.
+    """
+    assert _module is not None, "load_kernel() must succeed first"
+    return _module.small_linear(x, weight, bias, native_bf16)

@@ -1,0 +1,104 @@
+"""The CPU small-batch linear kernel (layers/cpu_gemv.py) against a float64 product, and its
+use by the packed linear layers for one or two input rows."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from sglang.srt.layers import cpu_gemv
+from sglang.srt.layers.cpu_prepack import SMALL_BATCH_ROWS, PackedLinear, prepack_supported
+
+pytestmark = pytest.mark.skipif(
+    platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64"),
+    reason="the kernel is built on Linux x86-64/aarch64 only",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    assert cpu_gemv.load_kernel()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("shape", [(50, 64), (960, 576), (7, 96)])  # N not a multiple of 16
+@pytest.mark.parametrize(
+    ("dtype", "native_bf16"),
+    [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
+    ids=["float32", "bfloat16", "bfloat16-portable"],
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_float64_product(
+    rows: int, shape: tuple[int, int], dtype: torch.dtype, native_bf16: bool, with_bias: bool
+) -> None:
+    torch.manual_seed(rows + shape[0])
+    out_features, in_features = shape
+    weight = torch.randn(out_features, in_features).to(dtype)
+    # x as rows of a wider tensor (row stride > in_features), as a slice would hand it over
+    x = torch.randn(rows, in_features + 8).to(dtype)[:, :in_features]
+    bias = torch.randn(out_features).to(dtype) if with_bias else None
+    assert cpu_gemv.kernel_supports(x, weight, bias)
+    got = cpu_gemv.small_linear(x, weight, bias, native_bf16)
+    expected = x.double() @ weight.double().T
+    if bias is not None:
+        expected += bias.double()
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
+    else:  # one rounding of the float32 sum to bfloat16
+        torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=8e-3)
+
+
+def test_result_independent_of_threads() -> None:
+    weight = torch.randn(3000, 576).bfloat16()
+    x = torch.randn(2, 576).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_gemv.small_linear(x, weight, None)
+        torch.set_num_threads(2)
+        two = cpu_gemv.small_linear(x, weight, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_operands_out_of_contract() -> None:
+    weight = torch.randn(16, 64)
+    assert not cpu_gemv.kernel_supports(torch.randn(5, 64), weight, None)  # too many rows
+    assert not cpu_gemv.kernel_supports(torch.randn(1, 64).bfloat16(), weight, None)  # dtypes
+    assert not cpu_gemv.kernel_supports(torch.randn(1, 48), torch.randn(16, 48), None)  # K % 32
+    assert not cpu_gemv.kernel_supports(torch.randn(1, 64).half(), weight.half(), None)
+    assert not cpu_gemv.kernel_supports(torch.randn(1, 64), weight.T.contiguous().T, None)
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        cpu_gemv.small_linear(torch.randn(5, 64), weight, None)
+
+
+@pytest.mark.skipif(not prepack_supported(), reason="no oneDNN in this torch build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_uses_it_for_small_batches(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to SMALL_BATCH_ROWS rows go through the kernel (on the live weight: an in-place
+    update is seen at once), more rows through the packed copy; both agree."""
+    import sglang.srt.layers.cpu_prepack as cpu_prepack
+
+    calls = []
+
+    def counting(*args: object) -> torch.Tensor:
+        calls.append(args[0].shape[0])  # type: ignore[attr-defined]
+        return cpu_gemv.small_linear(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_prepack, "small_linear", counting)
+    weight = torch.randn(100, 64).to(dtype)
+    packer = PackedLinear()
+    x = torch.randn(SMALL_BATCH_ROWS + 1, 64).to(dtype)
+    full = packer(x, weight)
+    small = packer(x[:SMALL_BATCH_ROWS], weight)
+    assert calls == [SMALL_BATCH_ROWS]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(small, full[:SMALL_BATCH_ROWS], atol=tol, rtol=tol)
+    weight.mul_(2)
+    torch.testing.assert_close(packer(x[:1], weight), 2 * small[:1], atol=tol, rtol=tol)

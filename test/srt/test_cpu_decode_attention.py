@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from sglang.srt.layers.cpu_decode_attention import decode_attention, kernel_supports, load_kernel
+from sglang.srt.layers.cpu_extension import avx512_host
 
 pytestmark = pytest.mark.skipif(
-    platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64"),
-    reason="the kernel is built on Linux x86-64/aarch64 only",
+    platform.system() != "Linux" or not avx512_host(),
+    reason="the kernel is built on Linux hosts with AVX-512 only",
 )
 
 # Per row: 1, non-multiples of 16, and lengths over one (256) and several work chunks.

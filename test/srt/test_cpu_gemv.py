@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from sglang.srt.layers import cpu_gemv
+from sglang.srt.layers.cpu_extension import avx512_host
 from sglang.srt.layers.cpu_prepack import SMALL_BATCH_ROWS, PackedLinear, prepack_supported
 
 pytestmark = pytest.mark.skipif(
-    platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64"),
-    reason="the kernel is built on Linux x86-64/aarch64 only",
+    platform.system() != "Linux" or not avx512_host(),
+    reason="the kernel is built on Linux hosts with AVX-512 only",
 )
 
 
@@ -102,3 +103,16 @@ def test_packed_linear_uses_it_for_small_batches(
     torch.testing.assert_close(small, full[:SMALL_BATCH_ROWS], atol=tol, rtol=tol)
     weight.mul_(2)
     torch.testing.assert_close(packer(x[:1], weight), 2 * small[:1], atol=tol, rtol=tol)
+
+
+def test_kept_off_without_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU without AVX-512 the kernel is not built and the packed product serves every
+    batch (its 16-float vectors run several times slower on AVX2)."""
+    import sglang.srt.layers.cpu_prepack as cpu_prepack
+
+    monkeypatch.setattr(cpu_gemv, "avx512_host", lambda: False)
+    monkeypatch.setattr(cpu_gemv, "_module", None)
+    assert not cpu_gemv.load_kernel()
+    x, weight = torch.randn(1, 64), torch.randn(16, 64)
+    assert not cpu_prepack.kernel_supports(x, weight, None)
+    torch.testing.assert_close(PackedLinear()(x, weight), x @ weight.T)

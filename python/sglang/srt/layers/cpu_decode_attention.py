@@ -1,34 +1,47 @@
-"""A C++ decode-attention kernel for CPU (``--disable-cpu-attention-kernel`` turns it off).
+"""A paged C++ decode-attention kernel for CPU (``--disable-cpu-attention-kernel`` turns it off).
 
 Decode attention has one query token per request, so the work per (request, KV head) is tiny
-and SDPA's per-call overhead dominates: on SmolLM2-135M (9 query heads, 3 KV heads, head dim
-64) at batch 64 and ~240 keys it reads K/V at ~5 GB/s in float32 and ~2.4 GB/s in bfloat16,
-where one core streams ~12 GB/s. This kernel works on one (request, KV head) at a time and
-reads each K and V row once for all ``G = H / KVH`` query heads of that KV head:
+and SDPA's per-call overhead dominates; SDPA also needs each request's keys dense, which the
+pool does not hold them (decode steps interleave the requests' new slots). This kernel takes
+one layer's pool buffers and each request's ``req_to_token`` row and reads every K and V row
+where it lies, once for all ``G = H / KVH`` query heads of its KV head. Per chunk of up to 256
+keys of one (request, KV head):
 
-1. scores: ``s[g, t] = scale * q[g] . k[t]`` for the request's real keys ``t < len`` only,
-   into a small float32 buffer;
-2. softmax over each ``s[g]``: a vectorised max, then ``exp`` (a polynomial, vectorised by the
-   compiler, relative error ~1e-7) and sum;
-3. ``out[g] = sum_t p[g, t] * v[t] / sum_t p[g, t]``, accumulated in float32.
+1. scores ``s[g, t] = scale * q[g] . k[t]``: per key, G 16-lane partial dot products; per block
+   of 16 keys, a shuffle tree turns the 16 partial vectors of a head into its 16 scores;
+2. softmax numerators ``p = exp(s - max)`` (a vectorised polynomial, relative error < 2e-7)
+   and their sum;
+3. ``acc[g] = sum_t p[g, t] v[t]``, the accumulators of up to 4 heads held in registers for a
+   pass over the V rows.
 
-The loops are plain C++ with ``#pragma omp simd``, compiled with ``-O3 -march=native``, so the
-compiler vectorises them for the host (AVX-512, AVX2, NEON) without hand-written intrinsics.
-Queries and K/V may each be float32 or bfloat16; the output has the query's dtype. The (request,
-KV head) pairs are spread over torch's threads with ``at::parallel_for``.
+The chunks are handed to torch's threads longest first, one at a time; the chunks of a request
+that has several are merged after (rescaled to their common max, then normalised). The split
+depends on the length only, so a request's result is the same bits in any batch and with any
+number of threads. Rows are prefetched a few keys ahead, as their slots are scattered.
 
-The extension is built on first use (the model runner does it at model load) by
+The vector code is GCC vector types of 16 floats (the prelude of
+:mod:`~sglang.srt.layers.cpu_extension`), built with ``-O3 -march=native`` for hosts with
+AVX-512 only (an AVX2 build ran 2.5x slower than the AVX-512 one, slower than SDPA; there
+:func:`load_kernel` returns False). In bfloat16 on a CPU with AVX512-BF16 the scores use ``vdpbf16ps`` (exact products,
+float32 sums) and so do the values, two keys at a time with the weights rounded to bfloat16,
+as SDPA's bfloat16 path rounds them; ``native_bf16=False`` takes the widened float32 path that
+other CPUs use. q, K and V share one dtype (float32 or bfloat16); the output has it too.
+
+The extension is built at model load by
 :func:`~sglang.srt.layers.cpu_extension.build_cpu_extension`, cached per source and CPU; where
 it cannot be built :func:`load_kernel` returns False and the backend keeps SDPA.
 """
 
 from __future__ import annotations
 
+import logging
 from types import ModuleType
 
 import torch
 
-from sglang.srt.layers.cpu_extension import CPP_VECTOR_PRELUDE, build_cpu_extension
+from sglang.srt.layers.cpu_extension import CPP_VECTOR_PRELUDE, avx512_host, build_cpu_extension
+
+logger = logging.getLogger(__name__)
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -462,6 +475,9 @@ def load_kernel() -> bool:
     (layers/cpu_extension.py). Returns True when :func:`decode_attention` can be used."""
     global _module
     if _module is None:
+        if not avx512_host():
+            logger.info("CPU decode-attention kernel: this CPU has no AVX-512; using torch")
+            return False
         _module = build_cpu_extension(
             "sglang_cpu_decode_attn",
             _CPP_DECLARATION,

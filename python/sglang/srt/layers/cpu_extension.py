@@ -19,11 +19,11 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-# C++ shared by the kernels (prepended to each one's source): GCC vector types of 16 float32
-# lanes, lowered to one AVX-512 register, two AVX2 registers or four NEON registers, whatever
-# the host has (-march=native); float32/bfloat16 loads and stores of 16 lanes (bfloat16 handled
-# as its raw 16 bits, the high half of a float32; stores round to nearest even, for finite
-# values); and a reduction of 16 vectors to their 16 lane sums.
+# C++ shared by the 16-float kernels (prepended to each one's source; used on AVX-512 hosts,
+# see avx512_host): GCC vector types of 16 float32 lanes (one AVX-512 register); loads and
+# stores of 16 float32 or bfloat16 values (bfloat16 handled as its raw 16 bits, the high half
+# of a float32; stores round to nearest even, for finite values); and a reduction of 16
+# vectors to their 16 lane sums.
 CPP_VECTOR_PRELUDE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -111,18 +111,28 @@ inline f32x16 sum_lanes16(const f32x16* v) {
 _built: dict[str, ModuleType | None] = {}
 
 
-def _cpu_flags_hash() -> str:
-    """A short hash of this CPU's feature flags (empty if /proc/cpuinfo has none)."""
-    flags = ""
+def _cpu_flags() -> str:
+    """This CPU's feature-flags line of /proc/cpuinfo (empty if there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith(("flags", "Features")):
-                    flags = line
-                    break
+                    return line
     except OSError:
         pass
-    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+    return ""
+
+
+def _cpu_flags_hash() -> str:
+    """A short hash of this CPU's feature flags."""
+    return hashlib.sha256(_cpu_flags().encode()).hexdigest()[:12]
+
+
+def avx512_host() -> bool:
+    """Whether this CPU has AVX-512 (``avx512f``). The kernels written with 16-float vectors
+    (the prelude's ``f32x16``) need it: an AVX2 build of them ran 2.5-30x slower than with
+    AVX-512, so elsewhere their callers keep the torch path."""
+    return " avx512f" in _cpu_flags()
 
 
 def platform_supported() -> bool:

@@ -12,19 +12,23 @@ it is in registers:
 accumulated in float32 (16 lanes per output, the lanes of 16 outputs summed by one shuffle
 tree), rounded once to the output dtype (bfloat16: to nearest even), the bias added before
 the rounding. bfloat16 products use the CPU's ``vdpbf16ps`` where it has AVX512-BF16, else
-they are widened to float32 (the same products); the vector code is GCC's portable vector
-types (AVX-512, AVX2 or NEON). Built by :func:`~sglang.srt.layers.cpu_extension.build_cpu_extension`
-at model load; where it cannot be built :func:`load_kernel` returns False and the packed
+they are widened to float32 (the same products). The vector code is GCC vector types of 16
+floats (the prelude of :mod:`~sglang.srt.layers.cpu_extension`), for hosts with AVX-512 only.
+Built by :func:`~sglang.srt.layers.cpu_extension.build_cpu_extension` at model load; where it
+is not built (no AVX-512, a failed build) :func:`load_kernel` returns False and the packed
 product serves every batch.
 """
 
 from __future__ import annotations
 
+import logging
 from types import ModuleType
 
 import torch
 
-from sglang.srt.layers.cpu_extension import CPP_VECTOR_PRELUDE, build_cpu_extension
+from sglang.srt.layers.cpu_extension import CPP_VECTOR_PRELUDE, avx512_host, build_cpu_extension
+
+logger = logging.getLogger(__name__)
 
 # The most input rows small_linear takes (cpu_prepack uses it up to SMALL_BATCH_ROWS).
 MAX_ROWS = 4
@@ -157,6 +161,9 @@ def load_kernel() -> bool:
     :func:`small_linear` can be used."""
     global _module
     if _module is None:
+        if not avx512_host():
+            logger.info("CPU small-batch linear kernel: this CPU has no AVX-512; using torch")
+            return False
         _module = build_cpu_extension(
             "sglang_cpu_small_linear",
             _CPP_DECLARATION,

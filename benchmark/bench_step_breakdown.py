@@ -1,0 +1,108 @@
+"""Where a step's time goes: the offline workload of bench_offline_throughput.py run through a
+Scheduler in this process (no frontend), each step timed whole and its forward + sampling
+(``forward_batch_generation``) apart, grouped by kind and batch size. The rest of a step is the
+scheduler's own work: batch selection, KV bookkeeping, committing the sampled tokens and
+building the output message.
+
+    python benchmark/bench_step_breakdown.py --model-path models/SmolLM2-135M-Instruct \\
+        [--dtype bfloat16] [--profile-step 40]
+
+``--profile-step N`` also prints torch.profiler's op table for step N (ops' own CPU time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+from typing import Any
+
+import torch
+from bench_offline_throughput import make_workload
+
+from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+from sglang.srt.managers.schedule_batch import ForwardMode
+from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.managers.scheduler_process import build_scheduler
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs
+
+
+def submit(core: Scheduler, rid: str, ids: list[int], max_new_tokens: int) -> None:
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True)
+    params.normalize()
+    core.process_input_requests([TokenizedGenerateReqInput(rid, "", ids, params)])
+
+
+def batch_class(size: int) -> str:
+    return "1" if size == 1 else "2-8" if size <= 8 else "9-32" if size <= 32 else "33+"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--profile-step", type=int, default=-1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    work_args = argparse.Namespace(
+        seed=0, num_prompts=args.num_prompts, min_input=20, max_input=400,
+        min_output=32, max_output=256,
+    )
+    server_args = ServerArgs(
+        model_path=args.model_path, dtype=args.dtype, random_seed=0, log_level="warning"
+    )
+    core = build_scheduler(server_args, lambda msg: None, lambda msg: None)
+    work = make_workload(work_args, core.model_config.vocab_size)
+    submit(core, "warm-up", work[0][0], 8)
+    while core.has_runnable_work():
+        core.run_step()
+
+    forward_s: dict[str, float] = {}
+    run_forward = core.worker.forward_batch_generation
+
+    def timed_forward(*a: Any, **kw: Any) -> Any:
+        start = time.perf_counter()
+        out = run_forward(*a, **kw)
+        forward_s["last"] = time.perf_counter() - start
+        return out
+
+    core.worker.forward_batch_generation = timed_forward  # type: ignore[method-assign]
+    for i, (ids, n) in enumerate(work):
+        submit(core, f"r{i}", ids, n)
+    steps: collections.Counter[tuple[str, str]] = collections.Counter()
+    step_s: collections.Counter[tuple[str, str]] = collections.Counter()
+    fwd_s: collections.Counter[tuple[str, str]] = collections.Counter()
+    start = time.perf_counter()
+    while core.has_runnable_work():
+        t0 = time.perf_counter()
+        if sum(steps.values()) == args.profile_step:
+            with torch.profiler.profile() as prof:
+                ran = core.run_step()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        else:
+            ran = core.run_step()
+        elapsed = time.perf_counter() - t0
+        if not ran:
+            continue
+        batch = core.last_batch
+        kind = "prefill" if batch.forward_mode == ForwardMode.EXTEND else "decode"
+        key = (kind, batch_class(len(batch.reqs)))
+        steps[key] += 1
+        step_s[key] += elapsed
+        fwd_s[key] += forward_s["last"]
+    total = time.perf_counter() - start
+    out_tokens = sum(n for _, n in work)
+    print(f"{total:.1f} s, {out_tokens / total:.1f} output tokens/s (in process, no frontend)")
+    print(f"{'kind':>8} {'batch':>5} {'steps':>5} {'total s':>8} {'ms/step':>8} "
+          f"{'forward+sample ms':>17} {'scheduler ms':>12}")
+    for key in sorted(steps):
+        n = steps[key]
+        print(f"{key[0]:>8} {key[1]:>5} {n:>5} {step_s[key]:>8.2f} {1e3 * step_s[key] / n:>8.1f} "
+              f"{1e3 * fwd_s[key] / n:>17.1f} {1e3 * (step_s[key] - fwd_s[key]) / n:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -109,9 +109,10 @@ def test_kept_off_without_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU without AVX-512 the kernel is not built and the packed product serves every
     batch (its 16-float vectors run several times slower on AVX2)."""
     import sglang.srt.layers.cpu_prepack as cpu_prepack
+    from sglang.srt.layers import cpu_extension
 
-    monkeypatch.setattr(cpu_gemv, "avx512_host", lambda: False)
-    monkeypatch.setattr(cpu_gemv, "_module", None)
+    monkeypatch.setattr(cpu_extension, "avx512_host", lambda: False)
+    monkeypatch.setattr(cpu_gemv._KERNEL, "module", None)
     assert not cpu_gemv.load_kernel()
     x, weight = torch.randn(1, 64), torch.randn(16, 64)
     assert not cpu_prepack.kernel_supports(x, weight, None)

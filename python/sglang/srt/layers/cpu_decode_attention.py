@@ -22,26 +22,22 @@ number of threads. Rows are prefetched a few keys ahead, as their slots are scat
 The vector code is GCC vector types of 16 floats (the prelude of
 :mod:`~sglang.srt.layers.cpu_extension`), built with ``-O3 -march=native`` for hosts with
 AVX-512 only (an AVX2 build ran 2.5x slower than the AVX-512 one, slower than SDPA; there
-:func:`load_kernel` returns False). In bfloat16 on a CPU with AVX512-BF16 the scores use ``vdpbf16ps`` (exact products,
-float32 sums) and so do the values, two keys at a time with the weights rounded to bfloat16,
-as SDPA's bfloat16 path rounds them; ``native_bf16=False`` takes the widened float32 path that
-other CPUs use. q, K and V share one dtype (float32 or bfloat16); the output has it too.
+:func:`load_kernel` returns False). In bfloat16 on a CPU with AVX512-BF16 the scores use
+``vdpbf16ps`` (exact products, float32 sums) and so do the values, two keys at a time with
+the weights rounded to bfloat16, as SDPA's bfloat16 path rounds them; ``native_bf16=False``
+takes the widened float32 path that other CPUs use. q, K and V share one dtype (float32 or
+bfloat16); the output has it too.
 
-The extension is built at model load by
-:func:`~sglang.srt.layers.cpu_extension.build_cpu_extension`, cached per source and CPU; where
-it cannot be built :func:`load_kernel` returns False and the backend keeps SDPA.
+The extension is built at model load (:class:`~sglang.srt.layers.cpu_extension.CpuKernel`),
+cached per source and CPU; where it is not built :func:`load_kernel` returns False and the
+backend keeps SDPA.
 """
 
 from __future__ import annotations
 
-import logging
-from types import ModuleType
-
 import torch
 
-from sglang.srt.layers.cpu_extension import CPP_VECTOR_PRELUDE, avx512_host, build_cpu_extension
-
-logger = logging.getLogger(__name__)
+from sglang.srt.layers.cpu_extension import CPP_VECTOR_PRELUDE, CpuKernel
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -466,26 +462,20 @@ _CPP_DECLARATION = (
     "torch::Tensor seq_lens, double scale, bool native_bf16);"
 )
 
-# The built module once load_kernel() succeeded.
-_module: ModuleType | None = None
+_KERNEL = CpuKernel(
+    "sglang_cpu_decode_attn",
+    _CPP_DECLARATION,
+    _CPP_SOURCE,
+    ["decode_attention"],
+    "CPU decode-attention kernel",
+    needs_avx512=True,
+)
 
 
 def load_kernel() -> bool:
     """Build (or load from torch's extension cache) the kernel once per process
     (layers/cpu_extension.py). Returns True when :func:`decode_attention` can be used."""
-    global _module
-    if _module is None:
-        if not avx512_host():
-            logger.info("CPU decode-attention kernel: this CPU has no AVX-512; using torch")
-            return False
-        _module = build_cpu_extension(
-            "sglang_cpu_decode_attn",
-            _CPP_DECLARATION,
-            _CPP_SOURCE,
-            ["decode_attention"],
-            "CPU decode-attention kernel",
-        )
-    return _module is not None
+    return _KERNEL.load()
 
 
 def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -526,7 +516,6 @@ def decode_attention(
 
     Precondition: :func:`load_kernel` returned True and :func:`kernel_supports` holds.
     """
-    assert _module is not None, "load_kernel() must succeed first"
-    return _module.decode_attention(
+    return _KERNEL.loaded.decode_attention(
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, native_bf16
     )

@@ -47,11 +47,9 @@ multiple of 16 (:func:`kernel_supports`); 64 and 128 get loops of a fixed trip c
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
-from sglang.srt.layers.cpu_extension import build_cpu_extension
+from sglang.srt.layers.cpu_extension import CpuKernel
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -671,23 +669,20 @@ _CPP_DECLARATION = (
     "torch::Tensor prefix_lens, torch::Tensor extend_lens, double scale);"
 )
 
-# The built module once load_kernel() succeeded.
-_module: ModuleType | None = None
+_KERNEL = CpuKernel(
+    "sglang_cpu_extend_attn",
+    _CPP_DECLARATION,
+    _CPP_SOURCE,
+    ["extend_attention"],
+    "CPU prefill-attention kernel",
+    needs_avx512=False,
+)
 
 
 def load_kernel() -> bool:
     """Build (or load from torch's extension cache) the kernel once per process
     (layers/cpu_extension.py). Returns True when :func:`extend_attention` can be used."""
-    global _module
-    if _module is None:
-        _module = build_cpu_extension(
-            "sglang_cpu_extend_attn",
-            _CPP_DECLARATION,
-            _CPP_SOURCE,
-            ["extend_attention"],
-            "CPU prefill-attention kernel",
-        )
-    return _module is not None
+    return _KERNEL.load()
 
 
 def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -695,7 +690,7 @@ def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     (:func:`load_kernel`), all on CPU, float32/bfloat16, contiguous head dim, a multiple of 16.
     The caller uses SDPA otherwise."""
     return (
-        _module is not None
+        _KERNEL.module is not None
         and q.device.type == "cpu"
         and k_cache.device.type == "cpu"
         and q.dtype in _SUPPORTED_DTYPES
@@ -729,7 +724,6 @@ def extend_attention(
 
     Precondition: :func:`kernel_supports` holds.
     """
-    assert isinstance(_module, ModuleType), "load_kernel() must succeed first"
-    return _module.extend_attention(
+    return _KERNEL.loaded.extend_attention(
         q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale
     )

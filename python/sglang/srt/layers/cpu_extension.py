@@ -175,3 +175,41 @@ def build_cpu_extension(
             logger.info("built %s in %.1f s", what, time.perf_counter() - start)
     _built[name] = module
     return module
+
+
+class CpuKernel:
+    """One kernel module's extension, built on first :meth:`load` (the model runner calls it at
+    model load, not mid-step) and then held. ``needs_avx512``: written with the prelude's
+    16-float vectors, so not built on a CPU without AVX-512 (:func:`avx512_host`)."""
+
+    def __init__(
+        self,
+        name: str,
+        declaration: str,
+        source: str,
+        functions: list[str],
+        what: str,
+        needs_avx512: bool = False,
+    ) -> None:
+        self.name, self.declaration, self.source = name, declaration, source
+        self.functions, self.what, self.needs_avx512 = functions, what, needs_avx512
+        # The built module once load() succeeded.
+        self.module: ModuleType | None = None
+
+    def load(self) -> bool:
+        """Build (or load from torch's extension cache) the extension once per process; True
+        when its functions can be called."""
+        if self.module is None:
+            if self.needs_avx512 and not avx512_host():
+                logger.info("%s: this CPU has no AVX-512; using torch", self.what)
+                return False
+            self.module = build_cpu_extension(
+                self.name, self.declaration, self.source, self.functions, self.what
+            )
+        return self.module is not None
+
+    @property
+    def loaded(self) -> ModuleType:
+        """The built module. Precondition: :meth:`load` returned True."""
+        assert self.module is not None, f"{self.what}: load() must succeed first"
+        return self.module

@@ -14,21 +14,16 @@ tree), rounded once to the output dtype (bfloat16: to nearest even), the bias ad
 the rounding. bfloat16 products use the CPU's ``vdpbf16ps`` where it has AVX512-BF16, else
 they are widened to float32 (the same products). The vector code is GCC vector types of 16
 floats (the prelude of :mod:`~sglang.srt.layers.cpu_extension`), for hosts with AVX-512 only.
-Built by :func:`~sglang.srt.layers.cpu_extension.build_cpu_extension` at model load; where it
+Built at model load (:class:`~sglang.srt.layers.cpu_extension.CpuKernel`); where it
 is not built (no AVX-512, a failed build) :func:`load_kernel` returns False and the packed
 product serves every batch.
 """
 
 from __future__ import annotations
 
-import logging
-from types import ModuleType
-
 import torch
 
-from sglang.srt.layers.cpu_extension import CPP_VECTOR_PRELUDE, avx512_host, build_cpu_extension
-
-logger = logging.getLogger(__name__)
+from sglang.srt.layers.cpu_extension import CPP_VECTOR_PRELUDE, CpuKernel
 
 # The most input rows small_linear takes (cpu_prepack uses it up to SMALL_BATCH_ROWS).
 MAX_ROWS = 4
@@ -152,26 +147,20 @@ _CPP_DECLARATION = (
     "c10::optional<torch::Tensor> bias, bool native_bf16);"
 )
 
-# The built module once load_kernel() succeeded.
-_module: ModuleType | None = None
+_KERNEL = CpuKernel(
+    "sglang_cpu_small_linear",
+    _CPP_DECLARATION,
+    _CPP_SOURCE,
+    ["small_linear"],
+    "CPU small-batch linear kernel",
+    needs_avx512=True,
+)
 
 
 def load_kernel() -> bool:
-    """Build (or load from torch's extension cache) the kernel once per process; True when
-    :func:`small_linear` can be used."""
-    global _module
-    if _module is None:
-        if not avx512_host():
-            logger.info("CPU small-batch linear kernel: this CPU has no AVX-512; using torch")
-            return False
-        _module = build_cpu_extension(
-            "sglang_cpu_small_linear",
-            _CPP_DECLARATION,
-            _CPP_SOURCE,
-            ["small_linear"],
-            "CPU small-batch linear kernel",
-        )
-    return _module is not None
+    """Build (or load from torch's extension cache) the kernel once per process
+    (layers/cpu_extension.py). Returns True when :func:`small_linear` can be used."""
+    return _KERNEL.load()
 
 
 def kernel_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -179,7 +168,7 @@ def kernel_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     rows of float32 or bfloat16, a contiguous weight of the same dtype with ``in_features`` a
     multiple of 32, no bias or a dense one of that dtype."""
     return (
-        _module is not None
+        _KERNEL.module is not None
         and x.dim() == 2
         and 1 <= x.shape[0] <= MAX_ROWS
         and x.device.type == "cpu"
@@ -202,5 +191,4 @@ def small_linear(
 
     Precondition: :func:`kernel_supports` holds.
     """
-    assert _module is not None, "load_kernel() must succeed first"
-    return _module.small_linear(x, weight, bias, native_bf16)
+    return _KERNEL.loaded.small_linear(x, weight, bias, native_bf16)

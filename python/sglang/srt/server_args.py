@@ -168,9 +168,9 @@ class ServerArgs:
         False,
         "On CPU, run decode and prefill attention with torch SDPA instead of the C++ decode- "
         "and prefill-attention kernels (compiled at model load and cached in torch's "
-        "extensions directory; per layer 1.5-3.9x faster than SDPA for decode and "
-        "1.3-3.6x for prefill, see docs/performance.md). Where a kernel cannot be built, "
-        "SDPA is used anyway with a warning.",
+        "extensions directory; per layer 1.7-5.3x faster than SDPA for decode and "
+        "1.3-3.6x for prefill, see docs/performance.md). The decode kernel is built on "
+        "AVX-512 hosts only; where a kernel is not built, SDPA is used anyway.",
     )
     cpu_bf16_linear: str = _arg(
         "auto",

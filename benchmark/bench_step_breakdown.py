@@ -7,7 +7,8 @@ building the output message.
     python benchmark/bench_step_breakdown.py --model-path models/SmolLM2-135M-Instruct \\
         [--dtype bfloat16] [--profile-step 40]
 
-``--profile-step N`` also prints torch.profiler's op table for step N (ops' own CPU time).
+``--profile-step N`` (repeatable) also prints torch.profiler's op table for step N (ops' own CPU
+time).
 """
 
 from __future__ import annotations
@@ -44,12 +45,16 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--profile-step", type=int, default=-1)
+    parser.add_argument("--profile-step", type=int, action="append", default=[])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     work_args = argparse.Namespace(
-        seed=0, num_prompts=args.num_prompts, min_input=20, max_input=400,
-        min_output=32, max_output=256,
+        seed=0,
+        num_prompts=args.num_prompts,
+        min_input=20,
+        max_input=400,
+        min_output=32,
+        max_output=256,
     )
     server_args = ServerArgs(
         model_path=args.model_path, dtype=args.dtype, random_seed=0, log_level="warning"
@@ -78,7 +83,7 @@ def main() -> None:
     start = time.perf_counter()
     while core.has_runnable_work():
         t0 = time.perf_counter()
-        if sum(steps.values()) == args.profile_step:
+        if sum(steps.values()) in args.profile_step:
             with torch.profiler.profile() as prof:
                 ran = core.run_step()
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
@@ -96,12 +101,16 @@ def main() -> None:
     total = time.perf_counter() - start
     out_tokens = sum(n for _, n in work)
     print(f"{total:.1f} s, {out_tokens / total:.1f} output tokens/s (in process, no frontend)")
-    print(f"{'kind':>8} {'batch':>5} {'steps':>5} {'total s':>8} {'ms/step':>8} "
-          f"{'forward+sample ms':>17} {'scheduler ms':>12}")
+    print(
+        f"{'kind':>8} {'batch':>5} {'steps':>5} {'total s':>8} {'ms/step':>8} "
+        f"{'forward+sample ms':>17} {'scheduler ms':>12}"
+    )
     for key in sorted(steps):
         n = steps[key]
-        print(f"{key[0]:>8} {key[1]:>5} {n:>5} {step_s[key]:>8.2f} {1e3 * step_s[key] / n:>8.1f} "
-              f"{1e3 * fwd_s[key] / n:>17.1f} {1e3 * (step_s[key] - fwd_s[key]) / n:>12.2f}")
+        print(
+            f"{key[0]:>8} {key[1]:>5} {n:>5} {step_s[key]:>8.2f} {1e3 * step_s[key] / n:>8.1f} "
+            f"{1e3 * fwd_s[key] / n:>17.1f} {1e3 * (step_s[key] - fwd_s[key]) / n:>12.2f}"
+        )
 
 
 if __name__ == "__main__":

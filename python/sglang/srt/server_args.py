@@ -172,6 +172,13 @@ class ServerArgs:
         "1.3-3.6x for prefill, see docs/performance.md). The decode kernel is built on "
         "AVX-512 hosts only; where a kernel is not built, SDPA is used anyway.",
     )
+    disable_cpu_fused_ops: bool = _arg(
+        False,
+        "On CPU, run each decoder layer's elementwise pieces (add + RMSNorm, SiLU-and-mul, "
+        "RoPE, the K/V store into the pool) as torch ops instead of one C++ call each "
+        "(compiled at model load and cached in torch's extensions directory; they round where "
+        "the torch ops round, see docs/performance.md).",
+    )
     cpu_bf16_linear: str = _arg(
         "auto",
         "How a bfloat16 model's linear layers compute on CPU: bf16 (oneDNN's bfloat16 "

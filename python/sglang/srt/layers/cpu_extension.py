@@ -141,11 +141,17 @@ def platform_supported() -> bool:
 
 
 def build_cpu_extension(
-    name: str, declaration: str, source: str, functions: list[str], what: str
+    name: str,
+    declaration: str,
+    source: str,
+    functions: list[str],
+    what: str,
+    extra_cflags: tuple[str, ...] = (),
 ) -> ModuleType | None:
     """The compiled module ``name`` exporting ``functions`` (declared in ``declaration``,
-    defined in ``source``), built or loaded from the cache once per process; None (warned once,
-    naming ``what``) where it cannot be built. Logs the build or load time."""
+    defined in ``source``; ``extra_cflags`` after the common flags), built or loaded from the
+    cache once per process; None (warned once, naming ``what``) where it cannot be built. Logs
+    the build or load time."""
     if name in _built:
         return _built[name]
     module = None
@@ -161,12 +167,14 @@ def build_cpu_extension(
         try:
             from torch.utils.cpp_extension import load_inline
 
-            source_hash = hashlib.sha256((declaration + source).encode()).hexdigest()[:12]
+            flags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
+            key = "\n".join([declaration, source, *flags])
+            source_hash = hashlib.sha256(key.encode()).hexdigest()[:12]
             module = load_inline(
                 name=f"{name}_{source_hash}_{_cpu_flags_hash()}",
                 cpp_sources=[declaration, source],
                 functions=functions,
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
             )
         except Exception as exc:  # any build or load failure: keep the torch fallback
@@ -180,7 +188,8 @@ def build_cpu_extension(
 class CpuKernel:
     """One kernel module's extension, built on first :meth:`load` (the model runner calls it at
     model load, not mid-step) and then held. ``needs_avx512``: written with the prelude's
-    16-float vectors, so not built on a CPU without AVX-512 (:func:`avx512_host`)."""
+    16-float vectors, so not built on a CPU without AVX-512 (:func:`avx512_host`).
+    ``extra_cflags``: compiler flags of this kernel only."""
 
     def __init__(
         self,
@@ -190,9 +199,11 @@ class CpuKernel:
         functions: list[str],
         what: str,
         needs_avx512: bool = False,
+        extra_cflags: tuple[str, ...] = (),
     ) -> None:
         self.name, self.declaration, self.source = name, declaration, source
         self.functions, self.what, self.needs_avx512 = functions, what, needs_avx512
+        self.extra_cflags = extra_cflags
         # The built module once load() succeeded.
         self.module: ModuleType | None = None
 
@@ -204,7 +215,12 @@ class CpuKernel:
                 logger.info("%s: this CPU has no AVX-512; using torch", self.what)
                 return False
             self.module = build_cpu_extension(
-                self.name, self.declaration, self.source, self.functions, self.what
+                self.name,
+                self.declaration,
+                self.source,
+                self.functions,
+                self.what,
+                self.extra_cflags,
             )
         return self.module is not None
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.layers import cpu_fused_ops
 from sglang.srt.layers.linear import default_weight_loader, set_weight_loader
 
 
@@ -36,6 +37,8 @@ class RMSNorm(nn.Module):
         set_weight_loader(self.weight, default_weight_loader)
         # (x, weight, eps) -> normalised x; deterministic mode on CUDA swaps in a Triton kernel.
         self.norm_fn = rms_norm
+        # Set by the model runner once the CPU fused kernels are built (cpu_fused_ops.py).
+        self.use_cpu_fused_ops = False
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm_fn(x, self.weight, self.eps)
@@ -49,6 +52,15 @@ class RMSNorm(nn.Module):
         residual)``: the sum is the next residual stream, so callers never add it themselves.
         The add happens in the input dtype, as in the HF decoder layers. Inputs are not mutated.
         """
+        if (
+            self.use_cpu_fused_ops
+            and self.norm_fn is rms_norm
+            and cpu_fused_ops.supports(x)
+            and x.dtype == self.weight.dtype
+            and (residual is None or residual.dtype == x.dtype)
+        ):
+            out, summed = cpu_fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, summed)
         if residual is None:
             return self._norm(x)
         summed = x + residual

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from sglang.srt.layers import cpu_fused_ops
+
 
 def _base_inv_freq(rope_theta: float, rotary_dim: int) -> torch.Tensor:
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
@@ -143,6 +145,8 @@ class RotaryEmbedding(nn.Module):
         self._cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_scaling
         # (positions, (cos, sin) at them) of the last call: every layer passes the same tensor.
         self._last: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+        # Set by the model runner once the CPU fused kernels are built (cpu_fused_ops.py).
+        self.use_cpu_fused_ops = False
 
     def _cache_on(self, device: torch.device) -> torch.Tensor:
         if self._cos_sin.device != device:
@@ -190,6 +194,9 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ``[T, n*D]`` (any number of heads, e.g. q and k side by side) in one
         pass; returns a new tensor. Same precondition as :meth:`forward`."""
+        if self.use_cpu_fused_ops and cpu_fused_ops.supports(x) and positions.dtype == torch.int64:
+            table = self._cache_on(x.device)
+            return cpu_fused_ops.rope(x, positions, table, self.head_dim, self.rotary_dim)
         cos, sin = self._cos_sin_at(positions)
         return self._rotate(x, cos, sin)
 

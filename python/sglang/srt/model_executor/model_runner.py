@@ -20,6 +20,7 @@ from sglang.srt.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_min,
 )
+from sglang.srt.layers import cpu_fused_ops
 from sglang.srt.layers.attention import get_attention_backend_class
 from sglang.srt.layers.batch_invariant import enable_batch_invariant_mode
 from sglang.srt.layers.cpu_gemv import load_kernel as load_small_linear_kernel
@@ -103,6 +104,7 @@ class ModelRunner:
             # Builds the C++ decode- and prefill-attention kernels now (cached across runs), not
             # mid-serving.
             self.attn_backend.enable_cpu_decode_kernel()
+        self._enable_cpu_fused_ops()
         logsumexp = get_logsumexp(server_args.sampling_backend)
         for module in self.model.modules():
             if isinstance(module, LogitsProcessor):
@@ -148,6 +150,22 @@ class ModelRunner:
             seconds,
             args.torch_compile_max_bs,
         )
+
+    def _enable_cpu_fused_ops(self) -> None:
+        """On CPU, build the fused elementwise kernels (cpu_fused_ops.py) now, not mid-serving,
+        and switch the model's norms, activations and rotary embeddings and the KV pool's store
+        to them; unless --disable-cpu-fused-ops (or the build failed: the torch ops stay)."""
+        if (
+            torch.device(self.device).type != "cpu"
+            or self.server_args.disable_cpu_fused_ops
+            or not cpu_fused_ops.load_kernel()
+        ):
+            return
+        modules = [m for m in self.model.modules() if hasattr(m, "use_cpu_fused_ops")]
+        for module in modules:
+            module.use_cpu_fused_ops = True
+        self.token_to_kv_pool.use_cpu_fused_ops = True
+        logger.info("CPU fused elementwise kernels: %d modules and the KV store", len(modules))
 
     def _enable_prepack(self) -> list[PackedLinear]:
         """oneDNN-packed weight copies for the linear layers on CPU (layers/cpu_prepack.py);

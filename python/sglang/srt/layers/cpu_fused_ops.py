@@ -31,31 +31,18 @@ from __future__ import annotations
 
 import torch
 
-from sglang.srt.layers.cpu_extension import CpuKernel
+from sglang.srt.layers.cpu_extension import CPP_VECTOR_PRELUDE, CpuKernel
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
-_CPP_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
+# The prelude's scalar load1 (float32 or bfloat16 -> float32) is all these kernels take of it.
+_CPP_SOURCE = CPP_VECTOR_PRELUDE + r"""
 #include <tuple>
 
 namespace {
 
 using bf16 = uint16_t;  // bfloat16 as its raw bits (the high half of a float32)
-
-inline float to_f32(float x) { return x; }
-inline float to_f32(bf16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using sglang_cpu::load1;
 
 // float32 -> T, bfloat16 rounded to nearest even (NaN stays a quiet NaN), as torch rounds.
 template <typename T> inline T from_f32(float x);
@@ -100,11 +87,11 @@ void add_rms_norm_rows(const T* x, int64_t x_stride, const T* res, int64_t res_s
         const T* __restrict ri = res + i * res_stride;
         T* __restrict so = sum_out + i * N;
         for (int64_t j = 0; j < N; ++j) {
-          so[j] = from_f32<T>(to_f32(xi[j]) + to_f32(ri[j]));
-          si[j] = to_f32(so[j]);
+          so[j] = from_f32<T>(load1(xi[j]) + load1(ri[j]));
+          si[j] = load1(so[j]);
         }
       } else {
-        for (int64_t j = 0; j < N; ++j) si[j] = to_f32(xi[j]);
+        for (int64_t j = 0; j < N; ++j) si[j] = load1(xi[j]);
       }
       float acc[kAcc] = {};
       int64_t j = 0;
@@ -117,7 +104,7 @@ void add_rms_norm_rows(const T* x, int64_t x_stride, const T* res, int64_t res_s
       const float inv = 1.0f / std::sqrt(total / static_cast<float>(N) + eps);
       T* __restrict oi = out + i * N;
       for (int64_t k = 0; k < N; ++k) {
-        oi[k] = from_f32<T>(to_f32(from_f32<T>(si[k] * inv)) * to_f32(w[k]));
+        oi[k] = from_f32<T>(load1(from_f32<T>(si[k] * inv)) * load1(w[k]));
       }
     }
   });
@@ -131,9 +118,9 @@ void silu_and_mul_rows(const T* x, int64_t x_stride, int64_t rows, int64_t d, T*
       const T* __restrict u = g + d;
       T* __restrict o = out + i * d;
       for (int64_t j = 0; j < d; ++j) {
-        const float gj = to_f32(g[j]);
-        const float act = to_f32(from_f32<T>(gj / (1.0f + exp_poly(-gj))));
-        o[j] = from_f32<T>(act * to_f32(u[j]));
+        const float gj = load1(g[j]);
+        const float act = load1(from_f32<T>(gj / (1.0f + exp_poly(-gj))));
+        o[j] = from_f32<T>(act * load1(u[j]));
       }
     }
   });
@@ -151,7 +138,7 @@ void rope_rows(const T* x, int64_t x_stride, const int64_t* pos, const float* co
         const T* __restrict xi = x + i * x_stride + h * D;
         T* __restrict oi = out + (i * heads + h) * D;
         for (int64_t j = 0; j < half; ++j) {
-          const float x1 = to_f32(xi[j]), x2 = to_f32(xi[half + j]);
+          const float x1 = load1(xi[j]), x2 = load1(xi[half + j]);
           oi[j] = from_f32<T>(x1 * c[j] - x2 * s[j]);
           oi[half + j] = from_f32<T>(x2 * c[j] + x1 * s[j]);
         }

@@ -21,6 +21,7 @@ from sglang.srt.distributed.parallel_state import (
     tensor_model_parallel_min,
 )
 from sglang.srt.layers import cpu_fused_ops
+from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.attention import get_attention_backend_class
 from sglang.srt.layers.batch_invariant import enable_batch_invariant_mode
 from sglang.srt.layers.cpu_gemv import load_kernel as load_small_linear_kernel
@@ -31,7 +32,9 @@ from sglang.srt.layers.cpu_prepack import (
     pack_now,
     prepack_supported,
 )
+from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 from sglang.srt.layers.sampler import get_logsumexp
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -161,7 +164,8 @@ class ModelRunner:
             or not cpu_fused_ops.load_kernel()
         ):
             return
-        modules = [m for m in self.model.modules() if hasattr(m, "use_cpu_fused_ops")]
+        fused = (RMSNorm, SiluAndMul, RotaryEmbedding)
+        modules = [m for m in self.model.modules() if isinstance(m, fused)]
         for module in modules:
             module.use_cpu_fused_ops = True
         self.token_to_kv_pool.use_cpu_fused_ops = True

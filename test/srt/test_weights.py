@@ -384,7 +384,10 @@ def test_weight_endpoints_over_http(server, ckpt, hf) -> None:
 def test_rl_recipe_over_http(server, ckpt) -> None:
     """pause(in_place) -> update -> continue while a streamed request runs."""
     url = server.url
-    body = {"input_ids": PROMPT, "sampling_params": _greedy_params(), "stream": True}
+    # Long enough to still be running when the pause lands (a step of the tiny model takes
+    # about a millisecond, so NUM_NEW tokens can finish first).
+    num_new = 400
+    body = {"input_ids": PROMPT, "sampling_params": _greedy_params(num_new), "stream": True}
     with httpx.stream("POST", url + "/generate", json=body, timeout=60) as stream:
         lines = stream.iter_lines()
         first = next(line for line in lines if line.startswith("data: {"))
@@ -397,4 +400,4 @@ def test_rl_recipe_over_http(server, ckpt) -> None:
     final = json.loads(data[-1].removeprefix("data: "))
     spans = final["meta_info"]["weight_versions"]
     assert first and len(spans) == 2 and spans[1]["version"] == "http-A"
-    assert spans[1]["end"] == NUM_NEW and spans[0]["end"] == spans[1]["start"] > 0
+    assert spans[1]["end"] == num_new and spans[0]["end"] == spans[1]["start"] > 0

@@ -150,6 +150,28 @@ inline void score_tile(const float* __restrict qt, const float* const* krow, int
   }
 }
 
+// a[i][c] = alpha[m + c * kLanes ...] * acct[d + i][m + c * kLanes ...]: a value tile's running
+// sums (acct is [D, Mp]), rescaled to the new softmax max, in registers.
+template <int64_t NV>
+inline void load_scaled_tile(const float* __restrict acct, const float* __restrict alpha,
+                             int64_t d, int64_t Mp, int64_t m, vf (&a)[kValueDims][NV]) {
+  for (int64_t c = 0; c < NV; ++c) {
+    const vf al = loadv(alpha + m + c * kLanes);
+    for (int64_t i = 0; i < kValueDims; ++i) {
+      a[i][c] = loadv(acct + (d + i) * Mp + m + c * kLanes) * al;
+    }
+  }
+}
+
+// The tile back into acct (the inverse of load_scaled_tile's addressing).
+template <int64_t NV>
+inline void store_tile(const vf (&a)[kValueDims][NV], int64_t d, int64_t Mp, int64_t m,
+                       float* __restrict acct) {
+  for (int64_t i = 0; i < kValueDims; ++i) {
+    for (int64_t c = 0; c < NV; ++c) storev(acct + (d + i) * Mp + m + c * kLanes, a[i][c]);
+  }
+}
+
 // acct[d, d + kValueDims)[m, m + 16 NV) = alpha[m ...] * acct[...] + sum_{t < nb} p[t][m ...] *
 // vrow[t][d ...] (acct is [D, Mp], p is [kKeyBlock, Mp]).
 template <int64_t NV>
@@ -157,12 +179,7 @@ inline void value_tile(const float* __restrict p, const float* const* vrow, int6
                        int64_t d, int64_t Mp, int64_t m, const float* __restrict alpha,
                        float* __restrict acct) {
   vf a[kValueDims][NV];
-  for (int64_t c = 0; c < NV; ++c) {
-    const vf al = loadv(alpha + m + c * kLanes);
-    for (int64_t i = 0; i < kValueDims; ++i) {
-      a[i][c] = loadv(acct + (d + i) * Mp + m + c * kLanes) * al;
-    }
-  }
+  load_scaled_tile<NV>(acct, alpha, d, Mp, m, a);
   for (int64_t t = 0; t < nb; ++t) {
     vf pv[NV];
     for (int64_t c = 0; c < NV; ++c) pv[c] = loadv(p + t * Mp + m + c * kLanes);
@@ -171,9 +188,7 @@ inline void value_tile(const float* __restrict p, const float* const* vrow, int6
       for (int64_t c = 0; c < NV; ++c) a[i][c] += pv[c] * v;
     }
   }
-  for (int64_t i = 0; i < kValueDims; ++i) {
-    for (int64_t c = 0; c < NV; ++c) storev(acct + (d + i) * Mp + m + c * kLanes, a[i][c]);
-  }
+  store_tile<NV>(a, d, Mp, m, acct);
 }
 
 struct Item {
@@ -387,12 +402,7 @@ inline void value_tile_bf16(const uint32_t* __restrict pp, const uint32_t* __res
                             int64_t pairs, int64_t d, int64_t D, int64_t Mp, int64_t m,
                             const float* __restrict alpha, float* __restrict acct) {
   vf a[kValueDims][NV];
-  for (int64_t c = 0; c < NV; ++c) {
-    const vf al = loadv(alpha + m + c * kLanes);
-    for (int64_t i = 0; i < kValueDims; ++i) {
-      a[i][c] = loadv(acct + (d + i) * Mp + m + c * kLanes) * al;
-    }
-  }
+  load_scaled_tile<NV>(acct, alpha, d, Mp, m, a);
   for (int64_t j = 0; j < pairs; ++j) {
     vu pv[NV];
     for (int64_t c = 0; c < NV; ++c) {
@@ -405,9 +415,7 @@ inline void value_tile_bf16(const uint32_t* __restrict pp, const uint32_t* __res
       }
     }
   }
-  for (int64_t i = 0; i < kValueDims; ++i) {
-    for (int64_t c = 0; c < NV; ++c) storev(acct + (d + i) * Mp + m + c * kLanes, a[i][c]);
-  }
+  store_tile<NV>(a, d, Mp, m, acct);
 }
 
 // Scratch floats for one item of up to kQueryRows rows on the bfloat16 path.

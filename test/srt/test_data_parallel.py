@@ -349,11 +349,13 @@ def test_killed_rank_fails_callers_and_stops_the_group(model_path: str) -> None:
     eng = sgl.Engine(model_path=model_path, random_seed=0, dp_size=DP)
     try:
         procs = {p.name: p for p in eng._procs}
+        # Paused first, so that neither request can finish before the kill however fast the
+        # host is (racing a running request against the poll failed CI once).
+        eng.pause_generation(mode="in_place")
         with ThreadPoolExecutor(2) as pool:
             futs = [pool.submit(eng.generate, input_ids=PROMPTS[i],
-                                sampling_params=_greedy(400)) for i in range(2)]
-            wait_for(lambda: _running_per_rank(eng) == [1, 1])
-            eng.pause_generation(mode="in_place")  # neither request can finish meanwhile
+                                sampling_params=_greedy(MAX_NEW)) for i in range(2)]
+            wait_for(lambda: [s["waiting_queue_size"] for s in _states(eng)] == [1, 1])
             killed_at = time.monotonic()
             os.kill(procs["sglang-scheduler-dp1"].pid, signal.SIGKILL)
             for fut in futs:

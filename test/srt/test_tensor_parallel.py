@@ -228,12 +228,12 @@ def test_pause_lease_expires_on_every_rank_together(engine: sgl.Engine) -> None:
 
 def test_wait_pause_drains_then_answers(engine: sgl.Engine) -> None:
     with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(engine.generate, input_ids=PROMPTS[0], sampling_params=_greedy(30),
-                          return_logprob=True)
+        fut = pool.submit(engine.generate, input_ids=PROMPTS[0], sampling_params=_greedy(120),
+                          return_logprob=True)  # long enough to be seen running
         wait_for(lambda: _rank_states(engine)[0]["running_batch_size"] == 1)
         reply = engine.pause_generation(mode="wait")
         assert reply["status"] == "ok"
-        check_complete(fut.result(timeout=60), 30)  # it finished before the pause answered
+        check_complete(fut.result(timeout=60), 120)  # it finished before the pause answered
     assert all(r["engine_paused"] and r["running_batch_size"] == 0 for r in _rank_states(engine))
     engine.continue_generation()
 

@@ -46,6 +46,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--profile-step", type=int, action="append", default=[])
+    parser.add_argument(
+        "--chunked-prefill-size", type=int, default=None, help="the engine's flag (default 8192)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     work_args = argparse.Namespace(
@@ -57,7 +60,11 @@ def main() -> None:
         max_output=256,
     )
     server_args = ServerArgs(
-        model_path=args.model_path, dtype=args.dtype, random_seed=0, log_level="warning"
+        model_path=args.model_path,
+        dtype=args.dtype,
+        random_seed=0,
+        log_level="warning",
+        chunked_prefill_size=args.chunked_prefill_size,
     )
     core = build_scheduler(server_args, lambda msg: None, lambda msg: None)
     work = make_workload(work_args, core.model_config.vocab_size)

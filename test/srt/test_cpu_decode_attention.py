@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(
     reason="the kernel is built on Linux hosts with AVX-512 only",
 )
 
-# Per row: 1, non-multiples of 16, and lengths over one (256) and several work chunks.
-LENS = [1, 17, 95, 64, 300, 3, 777]
+# Per row: 1, non-multiples of 16, and lengths over one (512 keys) and several work chunks.
+LENS = [1, 17, 95, 64, 600, 3, 1300]
 
 
 def _pool(

@@ -4,7 +4,7 @@ Decode attention has one query token per request, so the work per (request, KV h
 and SDPA's per-call overhead dominates; SDPA also needs each request's keys dense, which the
 pool does not hold them (decode steps interleave the requests' new slots). This kernel takes
 one layer's pool buffers and each request's ``req_to_token`` row and reads every K and V row
-where it lies, once for all ``G = H / KVH`` query heads of its KV head. Per chunk of up to 256
+where it lies, once for all ``G = H / KVH`` query heads of its KV head. Per chunk of up to 512
 keys of one (request, KV head):
 
 1. scores ``s[g, t] = scale * q[g] . k[t]``: per key, G 16-lane partial dot products; per block
@@ -48,7 +48,7 @@ using namespace sglang_cpu;
 
 constexpr int64_t kKeyBlock = 16;   // keys scored together (one lane each after the reduction)
 constexpr int64_t kMaxVecs = 16;    // head dim <= 256
-constexpr int64_t kChunk = 256;    // keys per work item (see run)
+constexpr int64_t kChunk = 512;    // keys per work item (see run; 1.15x over 256 at 60 x 350 keys)
 // Rows prefetched ahead, the slots being scattered: K rows kPrefetch keys ahead into L1 and
 // kPrefetchL2 ahead into L2; each V row into L2 as its K row is scored, so that the value pass
 // finds the chunk's V rows there (1.3-1.4x on a 60-request step of SmolLM2 over DRAM).

@@ -169,6 +169,22 @@ def test_greedy_is_argmax_and_top_k_one_is_greedy():
     assert sample(ties, [req(temperature=0.0)] * 2).next_token_ids.tolist() == [1, 0]
 
 
+@pytest.mark.parametrize("vocab", [2047, 2048, 5000, 49152, 49155])
+def test_greedy_argmax_chunked_on_wide_rows(vocab: int):
+    """Wide rows take the chunked argmax (chunk maxima first): the first index on ties, also
+    across chunks and in a short last chunk; a row with NaN gives its first NaN (as max(dim))."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen)
+    logits[1, [3, vocab // 2, vocab - 1]] = 50.0  # ties in the first, a middle and the last chunk
+    logits[2, [vocab - 2, vocab - 1]] = 50.0  # ties inside the short last chunk
+    logits[3] = 0.0  # the whole row ties
+    logits[4, [vocab - 3, 7]] = float("nan")
+    expected = logits.max(dim=-1).indices
+    assert expected[:4].tolist() == [int(logits[0].argmax()), 3, vocab - 2, 0]
+    assert expected[4].item() == 7
+    greedy = sample(logits, [req(seed=i, temperature=0.0) for i in range(5)])
+    assert torch.equal(greedy.next_token_ids, expected)
+
 @pytest.mark.parametrize(
     ("params", "allowed"),
     [

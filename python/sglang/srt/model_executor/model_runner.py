@@ -42,6 +42,11 @@ from sglang.srt.model_executor.cpu_torch_compile import CompiledDecoderLayers, w
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader import get_model
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils.cpu_malloc import (
+    FreedMemoryCap,
+    keep_freed_memory,
+    return_freed_memory,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +66,7 @@ class ModelRunner:
         self.tp_size = get_tensor_model_parallel_world_size()
         # KV heads of this rank (replicated when there are fewer KV heads than ranks).
         self.num_kv_heads = model_config.get_num_kv_heads(self.tp_size)
+        self._malloc_cap = self._tune_cpu_malloc()
 
         self.model = get_model(model_config, self.device)
         # Parameter shapes while the weights are released (release_weights), by name.
@@ -154,6 +160,24 @@ class ModelRunner:
             args.torch_compile_max_bs,
         )
 
+    def _tune_cpu_malloc(self) -> FreedMemoryCap | None:
+        """On CPU, keep freed memory in the heap for reuse (utils/cpu_malloc.py), before the
+        weights are loaded, up to 1/16 of the machine's memory (at least 1 GiB); unless
+        --disable-cpu-malloc-tuning. Returns the cap that forward() steps."""
+        if torch.device(self.device).type != "cpu" or self.server_args.disable_cpu_malloc_tuning:
+            return None
+        if not keep_freed_memory():
+            return None
+        import psutil
+
+        limit = max(1 << 30, psutil.virtual_memory().total // 16)
+        logger.info(
+            "CPU malloc: freed memory kept for reuse, up to %.1f GiB (--disable-cpu-malloc-tuning "
+            "for glibc's default)",
+            limit / 2**30,
+        )
+        return FreedMemoryCap(limit)
+
     def _enable_cpu_fused_ops(self) -> None:
         """On CPU, build the fused elementwise kernels (cpu_fused_ops.py) now, not mid-serving,
         and switch the model's norms, activations and rotary embeddings and the KV pool's store
@@ -233,6 +257,8 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(forward_batch)
         if self.compiled_layers is not None:
             self.compiled_layers.prepare(forward_batch)
+        if self._malloc_cap is not None:
+            self._malloc_cap.step()
         return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     # ---- release_memory_occupation / resume_memory_occupation (docs/memory.md) --------------
@@ -241,6 +267,7 @@ class ModelRunner:
         caller has freed every slot (a flush); nothing runs until :meth:`resume_kv_cache`."""
         self.attn_backend.release_memory()
         self.token_to_kv_pool.release()
+        return_freed_memory()
 
     def resume_kv_cache(self) -> None:
         self.token_to_kv_pool.resume()
@@ -253,6 +280,7 @@ class ModelRunner:
         for name, param in self.model.named_parameters():
             self._released_shapes[name] = param.shape
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        return_freed_memory()
 
     def resume_weights(self) -> None:
         """Allocate the parameters again, zero-filled: the caller reloads or pushes weights."""

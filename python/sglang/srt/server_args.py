@@ -183,10 +183,10 @@ class ServerArgs:
         False,
         "On CPU, keep glibc's default allocation policy: large blocks (over its mmap "
         "threshold, at most 32 MiB) mapped fresh and handed back on free. By default the model "
-        "process serves every block from its heap "
-        "and keeps freed memory for reuse (no page faults on each prefill chunk's large "
-        "temporaries; resident memory stays at its peak, and is given back when the KV cache "
-        "or weights are released).",
+        "process serves every block from its heap and keeps freed memory for reuse (no page "
+        "faults on each prefill chunk's large temporaries; resident memory stays at its peak, "
+        "up to 1/16 of the machine's memory (at least 1 GiB), and is given back when the KV "
+        "cache or weights are released).",
     )
     cpu_bf16_linear: str = _arg(
         "auto",

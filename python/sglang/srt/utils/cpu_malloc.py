@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 from functools import cache
-
-logger = logging.getLogger(__name__)
 
 # mallopt parameters (glibc's malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -87,7 +84,10 @@ def return_freed_memory() -> None:
 class FreedMemoryCap:
     """Bounds the free memory that :func:`keep_freed_memory` keeps: :meth:`step` (once per
     forward pass) looks every ``every`` calls and, when more than ``limit`` bytes are free in
-    the heap, gives them back to the kernel (:func:`return_freed_memory`)."""
+    the heap, gives them back to the kernel (:func:`return_freed_memory`). Free holes inside
+    the heap still count as free once their pages are given back, so while they exceed the
+    limit each look trims again: resident memory stays bounded, at the cost of faulting those
+    pages in again when they are reused."""
 
     def __init__(self, limit: int, every: int = 64) -> None:
         self.limit = limit

@@ -102,7 +102,7 @@ def test_server_applies_the_settings_unless_disabled(
 ) -> None:
     args = ["--skip-server-warmup"] + (["--disable-cpu-malloc-tuning"] if disable else [])
     with ServerProcess(tiny_model_dir("llama"), *args) as srv:
-        log = srv.output()
+        log = srv.log_path.read_text(errors="replace")
     assert ("CPU malloc: freed memory kept for reuse" in log) is not disable, log
 
 

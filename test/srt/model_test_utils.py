@@ -8,15 +8,22 @@ slot ``page_size`` = 1 (slot 0 is the pool's dummy), so attention must really fo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import PretrainedConfig
 
+from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.attention import get_attention_backend_class
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.server_args import ServerArgs
 
 PAGE_SIZE = 1
+# KV pool of the model runners made by make_runner.
+RUNNER_SLOTS = 1024
 # Triton kernel tests run on the GPU when there is one, else in Triton's CPU interpreter.
 TEST_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Engine kwargs for tests that hold two engines at once: on a GPU each takes 85% of the device by
@@ -166,3 +173,28 @@ def load_from_hf(model_cls: type, hf_model: torch.nn.Module) -> torch.nn.Module:
     model = model_cls(hf_model.config)
     model.load_weights(hf_model.state_dict().items())
     return model.eval()
+
+
+def make_runner(path: Path, dtype: str = "float32", **kwargs: object) -> ModelRunner:
+    """A CPU ModelRunner of the model at ``path`` with a pool of RUNNER_SLOTS tokens;
+    ``kwargs``: more ServerArgs."""
+    args = ServerArgs(
+        model_path=str(path), device="cpu", dtype=dtype, max_total_tokens=RUNNER_SLOTS, **kwargs
+    )
+    return ModelRunner(args, ModelConfig(str(path), dtype=dtype, device="cpu"))
+
+
+def greedy(runner: ModelRunner, prompts: list[list[int]], num_steps: int) -> list[list[int]]:
+    """Greedy tokens of ``prompts`` as one batch: a prefill, then ``num_steps - 1`` decode
+    steps, through the runner's forward (a runner from :func:`make_runner`)."""
+    builder = BatchBuilder(
+        runner.model.config, dtype=runner.dtype, num_slots=RUNNER_SLOTS - 1, max_reqs=8
+    )
+    rids = [f"r{i}" for i in range(len(prompts))]
+    out = runner.forward(builder.extend(list(zip(rids, prompts))))
+    tokens = [[int(t)] for t in out.next_token_logits.argmax(-1)]
+    for _ in range(num_steps - 1):
+        out = runner.forward(builder.decode([(r, t[-1]) for r, t in zip(rids, tokens)]))
+        for row, logits in zip(tokens, out.next_token_logits):
+            row.append(int(logits.argmax()))
+    return tokens

@@ -15,26 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_test_utils import BatchBuilder
+from model_test_utils import greedy, make_runner
 
-from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs, prepare_server_args
 
 PROMPTS = [[5, 17, 3, 99, 250, 8, 41], list(range(30, 43)), [200, 7, 7]]
-NUM_SLOTS = 1024
 
 
 def num_graphs() -> int:
     """Graphs dynamo traced in this process."""
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-
-
-def make_runner(path: Path, dtype: str = "float32", **kwargs: object) -> ModelRunner:
-    args = ServerArgs(
-        model_path=str(path), device="cpu", dtype=dtype, max_total_tokens=NUM_SLOTS, **kwargs
-    )
-    return ModelRunner(args, ModelConfig(str(path), dtype=dtype, device="cpu"))
 
 
 def compiled_runner(path: Path, dtype: str = "float32", **kwargs: object) -> ModelRunner:
@@ -51,22 +42,6 @@ def compiled_runner(path: Path, dtype: str = "float32", **kwargs: object) -> Mod
     assert runner.compiled_layers is not None
     assert num_graphs() - before == 6
     return runner
-
-
-def greedy(runner: ModelRunner, prompts: list[list[int]], num_steps: int) -> list[list[int]]:
-    """Greedy tokens of ``prompts`` as one batch: a prefill, then ``num_steps - 1`` decode
-    steps, through the runner's forward (which picks the compiled layers)."""
-    builder = BatchBuilder(
-        runner.model.config, dtype=runner.dtype, num_slots=NUM_SLOTS - 1, max_reqs=8
-    )
-    rids = [f"r{i}" for i in range(len(prompts))]
-    out = runner.forward(builder.extend(list(zip(rids, prompts))))
-    tokens = [[int(t)] for t in out.next_token_logits.argmax(-1)]
-    for _ in range(num_steps - 1):
-        out = runner.forward(builder.decode([(r, t[-1]) for r, t in zip(rids, tokens)]))
-        for row, logits in zip(tokens, out.next_token_logits):
-            row.append(int(logits.argmax()))
-    return tokens
 
 
 @pytest.fixture(scope="module")

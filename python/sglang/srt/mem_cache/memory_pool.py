@@ -95,6 +95,16 @@ class MHATokenToKVPool:
         for buf in self.k_buffer + self.v_buffer:
             buf[: self.page_size].zero_()
 
+    def prefault(self, num_slots: int) -> int:
+        """Write zeros to the first ``num_slots`` slots of every layer's buffers (clamped to the
+        pool), so that their pages are in memory before the first request writes them
+        (model_executor/warmup.py); returns the bytes touched. Precondition: no request holds
+        KV (start-up): the slots' contents are lost."""
+        num_slots = min(num_slots, self.size + self.page_size)
+        for buf in self.k_buffer + self.v_buffer:
+            buf[:num_slots].zero_()
+        return sum(buf[:num_slots].nbytes for buf in self.k_buffer + self.v_buffer)
+
     def release(self) -> None:
         """Free the buffers (release_memory_occupation); the caller has freed every slot, and
         nothing reads the pool until :meth:`resume`."""

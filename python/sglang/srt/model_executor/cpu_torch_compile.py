@@ -41,12 +41,8 @@ from torch import nn
 
 from sglang.srt.layers.cpu_prepack import PackedLinear
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-
-# KV slot that warm-up steps write to: slot 0 is the pool's dummy (padding reads it, no
-# request owns it), so warming up touches no request's K/V.
-_DUMMY_SLOT = 0
-
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.warmup import run_dummy_prefill
 
 # The fusion hooks of a decoder layer that are compiled (see the module docstring).
 _HOOKS = ("pre_attention", "post_attention")
@@ -124,34 +120,6 @@ class CompiledDecoderLayers:
             packer.packed_weight(weight)
 
 
-def dummy_prefill(num_tokens: int, req_to_token_pool: ReqToTokenPool) -> ForwardBatch:
-    """A prefill of one request, ``num_tokens`` new tokens without cached prefix, whose K/V go
-    to the dummy slot. (A prefill, so that it runs compiled whatever --torch-compile-max-bs.)
-
-    Takes a row of ``req_to_token_pool`` (the caller frees ``batch.req_pool_indices`` after
-    the forward). Raises RuntimeError when none is free.
-    """
-    rows = req_to_token_pool.alloc(1)
-    if rows is None:
-        raise RuntimeError("warm-up needs a free request row")
-    device = req_to_token_pool.req_to_token.device
-    slots = torch.full((num_tokens,), _DUMMY_SLOT, dtype=torch.int64, device=device)
-    req_to_token_pool.write(rows[0], 0, slots)
-    return ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        batch_size=1,
-        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
-        positions=torch.arange(num_tokens, dtype=torch.int64, device=device),
-        out_cache_loc=slots,
-        req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=device),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int64, device=device),
-        seq_lens_cpu=[num_tokens],
-        extend_seq_lens_cpu=[num_tokens],
-        extend_prefix_lens_cpu=[0],
-        req_to_token_pool=req_to_token_pool,
-    )
-
-
 def warm_up(
     run_forward: Callable[[ForwardBatch], object], req_to_token_pool: ReqToTokenPool
 ) -> float:
@@ -161,9 +129,5 @@ def warm_up(
     took. The steps write K/V only to the dummy slot and give their request row back."""
     start = time.perf_counter()
     for num_tokens in (1, 2):
-        batch = dummy_prefill(num_tokens, req_to_token_pool)
-        try:
-            run_forward(batch)
-        finally:
-            req_to_token_pool.free(batch.req_pool_indices.tolist())
+        run_dummy_prefill(run_forward, req_to_token_pool, [num_tokens])
     return time.perf_counter() - start

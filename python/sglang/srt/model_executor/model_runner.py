@@ -40,6 +40,7 @@ from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.cpu_torch_compile import CompiledDecoderLayers, warm_up
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.warmup import warm_up_cpu_memory
 from sglang.srt.model_loader import get_model
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.cpu_malloc import (
@@ -128,6 +129,8 @@ class ModelRunner:
         )
         # Inductor-compiled decoder layers (--enable-torch-compile; None when off).
         self.compiled_layers: CompiledDecoderLayers | None = None
+        if torch.device(self.device).type == "cpu" and not server_args.disable_cpu_malloc_tuning:
+            self._warm_up_cpu_memory()
         self._enable_torch_compile()
 
     def _enable_torch_compile(self) -> None:
@@ -158,6 +161,21 @@ class ModelRunner:
             "requests run compiled)",
             seconds,
             args.torch_compile_max_bs,
+        )
+
+    def _warm_up_cpu_memory(self) -> None:
+        """Touch, before the first request, the heap and KV memory that serving writes anyway
+        (model_executor/warmup.py), sized to the largest prefill a step runs."""
+        args = self.server_args
+        chunk = args.chunked_prefill_size
+        step_tokens = args.max_prefill_tokens if chunk <= 0 else min(chunk, args.max_prefill_tokens)
+        warm_up_cpu_memory(
+            self.model,
+            self.forward,
+            self.req_to_token_pool,
+            self.token_to_kv_pool,
+            min(step_tokens, self.max_total_num_tokens),
+            self.model_config.context_len,
         )
 
     def _tune_cpu_malloc(self) -> FreedMemoryCap | None:

@@ -63,6 +63,13 @@ def freed_bytes() -> int:
     return 0 if libc is None else int(libc.mallinfo2().fordblks)
 
 
+def heap_bytes() -> int:
+    """Bytes the heap takes from the kernel (``mallinfo2().arena``: its main arena, which
+    serves every block under :func:`keep_freed_memory`; 0 without glibc)."""
+    libc = _glibc()
+    return 0 if libc is None else int(libc.mallinfo2().arena)
+
+
 def keep_freed_memory() -> bool:
     """Serve every allocation from the heap (no mmap) and never trim the heap on ``free``, so
     that a step's freed temporaries are reused by the next without page faults. Returns

@@ -129,7 +129,13 @@ class ModelRunner:
         )
         # Inductor-compiled decoder layers (--enable-torch-compile; None when off).
         self.compiled_layers: CompiledDecoderLayers | None = None
-        if torch.device(self.device).type == "cpu" and not server_args.disable_cpu_malloc_tuning:
+        # The serving path on CPU only: the Triton backend there is the interpreter (tests),
+        # and deterministic mode's batch-invariant products are not what serving speed is.
+        if (
+            torch.device(self.device).type == "cpu"
+            and backend == "torch_native"
+            and not server_args.disable_cpu_malloc_tuning
+        ):
             self._warm_up_cpu_memory()
         self._enable_torch_compile()
 

@@ -4,8 +4,9 @@
 owns it), for warm-up forward passes: the torch.compile warm-up (cpu_torch_compile.py) and
 :func:`warm_up_cpu_memory`.
 
-:func:`warm_up_cpu_memory` (CPU, unless ``--disable-cpu-malloc-tuning``) touches the memory a
-serving process will write anyway, before the first request:
+:func:`warm_up_cpu_memory` (CPU with the torch_native attention backend, outside
+deterministic mode, unless ``--disable-cpu-malloc-tuning``) touches the memory a serving
+process will write anyway, before the first request:
 
 - the first slots of the KV pool (four prefill chunks' worth, 32,768 with the default
   ``--chunked-prefill-size``; the allocator hands out the lowest free slots first, and the

@@ -4,9 +4,10 @@ or slot stays taken, results do not change, and --disable-cpu-malloc-tuning skip
 
 from __future__ import annotations
 
-import logging
+import inspect
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,10 +15,12 @@ from model_test_utils import RUNNER_SLOTS, greedy, make_runner
 from torch import nn
 
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.model_executor import model_runner
 from sglang.srt.model_executor.warmup import (
     DUMMY_SLOT,
     dummy_prefill,
     first_decoder_layers,
+    warm_up_cpu_memory,
     warmup_prefill_lengths,
 )
 
@@ -75,12 +78,19 @@ def test_first_decoder_layers_restores_the_layers() -> None:
 
 
 def test_runner_warms_up_memory_and_gives_the_same_tokens(
-    tiny_model_dir: Callable[..., Path], caplog: pytest.LogCaptureFixture
+    tiny_model_dir: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tiny_model_dir("llama")
-    with caplog.at_level(logging.INFO):
-        warmed = make_runner(path)
-    assert "CPU memory warm-up" in caplog.text
+    prefill_sizes: list[int] = []
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        bound = inspect.signature(warm_up_cpu_memory).bind(*args, **kwargs)
+        prefill_sizes.append(bound.arguments["prefill_tokens"])
+        warm_up_cpu_memory(*args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "warm_up_cpu_memory", spy)
+    warmed = make_runner(path)
+    assert len(prefill_sizes) == 1 and prefill_sizes[0] > 0
     # Every request row is free again and the pool's slots written so far hold zeros (the
     # dummy slot included, which the warm-up prefill wrote into).
     assert warmed.req_to_token_pool.available_size() == warmed.req_to_token_pool.size
@@ -88,10 +98,8 @@ def test_runner_warms_up_memory_and_gives_the_same_tokens(
     for buf in pool.k_buffer + pool.v_buffer:
         assert buf.shape[0] == RUNNER_SLOTS + 1
         assert not buf.any()
-    caplog.clear()
-    with caplog.at_level(logging.INFO):
-        plain = make_runner(path, disable_cpu_malloc_tuning=True)
-    assert "CPU memory warm-up" not in caplog.text
+    plain = make_runner(path, disable_cpu_malloc_tuning=True)
+    assert len(prefill_sizes) == 1  # the flag skips it
     assert greedy(warmed, PROMPTS, 6) == greedy(plain, PROMPTS, 6)
     assert len(warmed.model.model.layers) == warmed.model.config.num_hidden_layers
 

@@ -311,7 +311,7 @@ def supports(x: torch.Tensor) -> bool:
     dim, not traced by torch.compile (whose graphs keep the torch ops, which inductor fuses
     itself)."""
     return (
-        x.device.type == "cpu"
+        x.is_cpu
         and x.dtype in _SUPPORTED_DTYPES
         and x.dim() >= 1
         and x.stride(-1) == 1
@@ -327,6 +327,9 @@ def add_rms_norm(
     :class:`~sglang.srt.layers.layernorm.RMSNorm` rounds. ``x`` (any leading shape, rows dense)
     and ``residual`` share a shape and dtype; ``weight`` ``[N]`` has that dtype. Returns new
     tensors of ``x``'s shape (``s`` is ``x`` itself when there is no residual)."""
+    if x.dim() == 2:  # the models' case: no reshapes (~3 us a call at batch-1 decode)
+        out, summed = _KERNEL.loaded.add_rms_norm(x, residual, weight, eps)
+        return out, (x if residual is None else summed)
     shape = x.shape
     n = shape[-1]
     res = None if residual is None else residual.reshape(-1, n)
@@ -337,6 +340,8 @@ def add_rms_norm(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``dtype(silu(x[..., :d])) * x[..., d:]`` for ``x`` ``[..., 2d]`` (rows dense); a new
     ``[..., d]`` tensor."""
+    if x.dim() == 2:
+        return _KERNEL.loaded.silu_and_mul(x)
     d2 = x.shape[-1]
     return _KERNEL.loaded.silu_and_mul(x.reshape(-1, d2)).view(*x.shape[:-1], d2 // 2)
 

@@ -171,8 +171,8 @@ def kernel_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         _KERNEL.module is not None
         and x.dim() == 2
         and 1 <= x.shape[0] <= MAX_ROWS
-        and x.device.type == "cpu"
-        and weight.device.type == "cpu"
+        and x.is_cpu
+        and weight.is_cpu
         and x.dtype in (torch.float32, torch.bfloat16)
         and weight.dtype == x.dtype
         and x.stride(1) == 1

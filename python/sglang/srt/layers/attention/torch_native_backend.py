@@ -277,7 +277,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         if isinstance(meta, PagedDecodeMetadata):
             k_cache, v_cache = forward_batch.kv_pool.get_kv_buffer(layer.layer_id)
             table = forward_batch.req_to_token_pool.req_to_token
-            q = q.reshape(q.shape[0], -1)
+            if q.dim() != 2:
+                q = q.reshape(q.shape[0], -1)
             return decode_attention(
                 q, k_cache, v_cache, table, meta.req_pool_indices, meta.seq_lens, layer.scaling
             )

@@ -100,10 +100,10 @@ class MHATokenToKVPool:
         pool), so that their pages are in memory before the first request writes them
         (model_executor/warmup.py); returns the bytes touched. Precondition: no request holds
         KV (start-up): the slots' contents are lost."""
-        num_slots = min(num_slots, self.size + self.page_size)
+        touched = 0
         for buf in self.k_buffer + self.v_buffer:
-            buf[:num_slots].zero_()
-        return sum(buf[:num_slots].nbytes for buf in self.k_buffer + self.v_buffer)
+            touched += buf[:num_slots].zero_().nbytes
+        return touched
 
     def release(self) -> None:
         """Free the buffers (release_memory_occupation); the caller has freed every slot, and

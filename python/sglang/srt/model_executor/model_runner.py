@@ -129,8 +129,9 @@ class ModelRunner:
         )
         # Inductor-compiled decoder layers (--enable-torch-compile; None when off).
         self.compiled_layers: CompiledDecoderLayers | None = None
-        # The serving path on CPU only: the Triton backend there is the interpreter (tests),
-        # and deterministic mode's batch-invariant products are not what serving speed is.
+        # The CPU serving path only: not the Triton interpreter (tests), nor deterministic
+        # mode, whose backend is "torch_native_deterministic" and whose batch-invariant
+        # products are not what serving speed is.
         if (
             torch.device(self.device).type == "cpu"
             and backend == "torch_native"

@@ -24,6 +24,7 @@ import sglang as sgl
 
 PROMPT = [10, 20, 30, 40, 50, 60]
 NUM_NEW = 64
+CONTEXT_LEN = 4096
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
 
 
@@ -37,7 +38,8 @@ def ckpt(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     """A, B (same config, other seed) and refused variants of A."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    a = Path(tiny_model_dir("llama"))
+    # A long context, so that test_rl_recipe_over_http's request outlasts the client's pause.
+    a = Path(tiny_model_dir("llama", max_position_embeddings=CONTEXT_LEN))
     root = tmp_path_factory.mktemp("weights")
     b = root / "B"
     shutil.copytree(a, b)
@@ -384,9 +386,9 @@ def test_weight_endpoints_over_http(server, ckpt, hf) -> None:
 def test_rl_recipe_over_http(server, ckpt) -> None:
     """pause(in_place) -> update -> continue while a streamed request runs."""
     url = server.url
-    # Long enough to still be running when the pause lands (a step of the tiny model takes
-    # about a millisecond, so NUM_NEW tokens can finish first).
-    num_new = 400
+    # Long enough to still be running when the pause lands: the tiny model decodes ~3,000
+    # tokens/s on 2 cores, so NUM_NEW or even 400 tokens can finish first.
+    num_new = CONTEXT_LEN - 2 * len(PROMPT)
     body = {"input_ids": PROMPT, "sampling_params": _greedy_params(num_new), "stream": True}
     with httpx.stream("POST", url + "/generate", json=body, timeout=60) as stream:
         lines = stream.iter_lines()

@@ -158,11 +158,12 @@ class ServerArgs:
     )
     disable_cpu_weight_prepack: bool = _arg(
         False,
-        "On CPU, multiply by the weights as given instead of by copies packed once into "
-        "oneDNN's blocked layout (the packed copies run the linear layers 1.3-1.8x faster "
-        "and take as much memory again as the weights; the log states how much), and without "
-        "the C++ kernel that runs products of one or two rows (batch-1 decode) at the "
-        "memory's rate.",
+        "On CPU, multiply by the weights as given instead of by copies packed once (the "
+        "column blocks of the brgemm kernel, or oneDNN's blocked layout where that kernel does "
+        "not take the weight), and without the C++ kernel that runs products of one or two "
+        "rows (batch-1 decode) at the memory's rate. The packed copies run the linear layers "
+        "1.3-2x faster and take as much memory again as the weights; the log states how much "
+        "(see docs/performance.md).",
     )
     disable_cpu_attention_kernel: bool = _arg(
         False,
@@ -194,9 +195,10 @@ class ServerArgs:
     )
     cpu_bf16_linear: str = _arg(
         "auto",
-        "How a bfloat16 model's linear layers compute on CPU: bf16 (oneDNN's bfloat16 "
-        "kernels), fp32 (float32 copies of the weights, packed once, results rounded back to "
-        "bfloat16; the copies take twice the bfloat16 weights' memory, stated in the log) or "
+        "How a bfloat16 model's linear layers compute on CPU: bf16 (native bfloat16 "
+        "products: the brgemm kernel, or oneDNN's), fp32 (float32 copies of the weights, "
+        "packed once, results rounded back to bfloat16; the copies take twice the bfloat16 "
+        "weights' memory, stated in the log) or "
         "auto: fp32 on a CPU without native bfloat16 (no AVX512-BF16 or AMX), where it is "
         "faster, else bf16. Needs the weight prepack (see --disable-cpu-weight-prepack).",
         choices=("auto", "bf16", "fp32"),

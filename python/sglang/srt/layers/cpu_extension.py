@@ -111,7 +111,7 @@ inline f32x16 sum_lanes16(const f32x16* v) {
 _built: dict[str, ModuleType | None] = {}
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     """This CPU's feature-flags line of /proc/cpuinfo (empty if there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -125,14 +125,14 @@ def _cpu_flags() -> str:
 
 def _cpu_flags_hash() -> str:
     """A short hash of this CPU's feature flags."""
-    return hashlib.sha256(_cpu_flags().encode()).hexdigest()[:12]
+    return hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]
 
 
 def avx512_host() -> bool:
     """Whether this CPU has AVX-512 (``avx512f``). The kernels written with 16-float vectors
     (the prelude's ``f32x16``) need it: an AVX2 build of them ran 2.5-30x slower than with
     AVX-512, so elsewhere their callers keep the torch path."""
-    return " avx512f" in _cpu_flags()
+    return " avx512f" in cpu_flags()
 
 
 def platform_supported() -> bool:

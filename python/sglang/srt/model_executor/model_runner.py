@@ -20,7 +20,7 @@ from sglang.srt.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_min,
 )
-from sglang.srt.layers import cpu_fused_ops
+from sglang.srt.layers import cpu_brgemm, cpu_fused_ops
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.attention import get_attention_backend_class
 from sglang.srt.layers.batch_invariant import enable_batch_invariant_mode
@@ -236,12 +236,17 @@ class ModelRunner:
             or (args.cpu_bf16_linear == "auto" and not native_bf16_supported())
         )
         packers = enable_cpu_weight_prepack(self.model, upcast_bf16=upcast)
-        load_small_linear_kernel()  # built now (cached across runs), not mid-decode
+        # Built now (cached across runs), not mid-decode; the brgemm kernel before packing,
+        # which then lays float32 copies out for it.
+        load_small_linear_kernel()
+        cpu_brgemm.load_kernel()
         nbytes = pack_now(self.model)
         logger.info(
-            "CPU weight prepack: %d linear layers, %.1f MiB of packed %s copies "
-            "(--disable-cpu-weight-prepack saves it)",
+            "CPU weight prepack: %d linear layers (%d in brgemm column blocks, the rest in "
+            "oneDNN's layout), %.1f MiB of packed %s copies (--disable-cpu-weight-prepack saves "
+            "it)",
             len(packers),
+            sum(p.blocked for p in packers),
             nbytes / 2**20,
             "float32" if upcast else str(self.dtype).removeprefix("torch."),
         )

@@ -2,8 +2,10 @@
 
 A mixed workload (prompt and output lengths drawn uniformly, ``ignore_eos``, greedy) runs
 through both; the script prints output tokens/s for each and the ratio, then batch-1 decode
-tokens/s for each. Only the tokens each request asked for are counted (transformers decodes a
-batch until its longest request is done; the surplus is not counted).
+tokens/s for each (the median of ``--batch1-runs`` timed runs of ``--batch1-tokens`` tokens
+from a 32-token prompt; one run alone moved by up to 30% between runs). Only the tokens each
+request asked for are counted (transformers decodes a batch until its longest request is done;
+the surplus is not counted).
 
     python benchmark/bench_offline_throughput.py --model-path models/SmolLM2-135M-Instruct
 
@@ -33,6 +35,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -93,14 +96,24 @@ def run_engine(
         num_out = sum(o["meta_info"]["completion_tokens"] for o in outs)
         throughput = num_out / elapsed
         prompt, n = work[0][0][:32], args.batch1_tokens
-        engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": n})
-        start = time.perf_counter()
-        engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": n})
-        batch1 = n / (time.perf_counter() - start)
+        one = {**params, "max_new_tokens": n}
+        engine.generate(input_ids=prompt, sampling_params=one)
+        batch1 = median_rate(lambda: engine.generate(input_ids=prompt, sampling_params=one), n,
+                             getattr(args, "batch1_runs", 1))
         pause_ms = pause_round_trip_ms(engine, prompt, getattr(args, "pause_rounds", 0))
     finally:
         engine.shutdown()
     return throughput, batch1, pause_ms, startup
+
+
+def median_rate(run: Callable[[], object], tokens: int, runs: int) -> float:
+    """Median tokens/s of ``runs`` timed calls of ``run`` (each producing ``tokens``)."""
+    rates = []
+    for _ in range(max(1, runs)):
+        start = time.perf_counter()
+        run()
+        rates.append(tokens / (time.perf_counter() - start))
+    return statistics.median(rates)
 
 
 def pause_round_trip_ms(engine: Any, prompt: list[int], rounds: int) -> float:
@@ -158,17 +171,18 @@ def run_transformers(
         num_out += sum(n for _, n in chunk)
     throughput = num_out / (time.perf_counter() - start)
     prompt = torch.tensor([work[0][0][:32]])
-    start = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(
-            input_ids=prompt,
-            do_sample=False,
-            max_new_tokens=args.batch1_tokens,
-            eos_token_id=None,
-            pad_token_id=pad,
-        )
-    batch1 = args.batch1_tokens / (time.perf_counter() - start)
-    return throughput, batch1
+
+    def generate_one() -> None:
+        with torch.inference_mode():
+            model.generate(
+                input_ids=prompt,
+                do_sample=False,
+                max_new_tokens=args.batch1_tokens,
+                eos_token_id=None,
+                pad_token_id=pad,
+            )
+
+    return throughput, median_rate(generate_one, args.batch1_tokens, args.batch1_runs)
 
 
 def run_vllm(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> tuple[float, float]:
@@ -183,6 +197,7 @@ def run_vllm(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> tup
                     "dtype": args.dtype,
                     "threads": args.threads,
                     "batch1_tokens": args.batch1_tokens,
+                    "batch1_runs": args.batch1_runs,
                     "work": work,
                 },
                 f,
@@ -201,6 +216,12 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-output", type=int, default=32)
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--batch1-tokens", type=int, default=128)
+    parser.add_argument(
+        "--batch1-runs",
+        type=int,
+        default=3,
+        help="batch-1 decode is timed this many times (each engine); the median is reported",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--attention-backend",

@@ -20,10 +20,11 @@ cached per shape) over up to ``ROW_CHUNK`` rows of the input:
   there, and on CPUs without native bfloat16, the packed product stays.
 
 Each output is one float32 dot product over k in order, so a row's result does not depend on
-the other rows or on the thread count. Measured against oneDNN's packed product (2 threads,
-weights streamed from memory, ``benchmark/bench_small_linear.py``), on SmolLM2's layers: in
-float32 1.2-1.8x on the narrow layers at 3-128 rows, 1.0-1.1x on gate/up and the LM head,
-0.95-1.05x at prefill sizes; in bfloat16 1.3-2.8x on the narrow layers at 1-64 rows.
+the other rows or on the thread count. Measured against oneDNN's packed product on SmolLM2's
+layer shapes (2 threads, 30 copies of each weight so that they stream from memory as in a
+step): in float32 1.05-1.8x on the narrow layers at 3-128 rows, 1.0-1.1x on gate/up and the
+LM head, 0.95-1.05x at prefill sizes; in bfloat16 1.3-2.8x on the narrow layers at 1-64 rows.
+``benchmark/bench_small_linear.py`` measures a whole step's matrices.
 
 Built with the other kernels at model load (:class:`~sglang.srt.layers.cpu_extension.CpuKernel`)
 on x86-64 hosts with AVX2, where torch's brgemm is oneDNN's; elsewhere :func:`load_kernel`

@@ -127,3 +127,22 @@ def smollm2_dir() -> Path:
     if not (SMOLLM2_DIR / "config.json").exists():
         pytest.skip("SmolLM2 not prepared; run `make model`")
     return SMOLLM2_DIR
+
+
+@pytest.fixture
+def spy_rows(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any, str], list[int]]:
+    """``spy_rows(module, name)`` -> a list that collects the row count of the first argument
+    of every later call of ``module.name`` (which still runs)."""
+
+    def spy(module: Any, name: str) -> list[int]:
+        calls: list[int] = []
+        real = getattr(module, name)
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            calls.append(args[0].shape[0])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counting)
+        return calls
+
+    return spy

@@ -3,6 +3,9 @@ blocks, and its use by the packed linear layers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
@@ -157,7 +160,7 @@ def test_operands_out_of_contract() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_linear_takes_the_blocked_copy(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, spy_rows: Callable[[Any, str], list[int]]
 ) -> None:
     """With the kernel loaded, a weight of a suitable width is packed into column blocks
     (repacked when the weight changes) and every row count goes through the kernel but those
@@ -165,13 +168,7 @@ def test_packed_linear_takes_the_blocked_copy(
     layout."""
     import sglang.srt.layers.cpu_prepack as cpu_prepack
 
-    calls = []
-
-    def counting(*args: object) -> torch.Tensor:
-        calls.append(args[0].shape[0])  # type: ignore[attr-defined]
-        return cpu_brgemm.blocked_linear(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(cpu_prepack, "blocked_linear", counting)
+    calls = spy_rows(cpu_prepack, "blocked_linear")
     weight = torch.randn(96, 64).to(dtype)
     bias = torch.randn(96).to(dtype)
     packer = PackedLinear()

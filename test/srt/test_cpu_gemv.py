@@ -4,6 +4,8 @@ use by the packed linear layers for one or two input rows."""
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -80,19 +82,13 @@ def test_operands_out_of_contract() -> None:
 @pytest.mark.skipif(not prepack_supported(), reason="no oneDNN in this torch build")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linear_uses_it_for_small_batches(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, spy_rows: Callable[[Any, str], list[int]]
 ) -> None:
     """Up to SMALL_BATCH_ROWS rows go through the kernel (on the live weight: an in-place
     update is seen at once), more rows through the packed copy; both agree."""
     import sglang.srt.layers.cpu_prepack as cpu_prepack
 
-    calls = []
-
-    def counting(*args: object) -> torch.Tensor:
-        calls.append(args[0].shape[0])  # type: ignore[attr-defined]
-        return cpu_gemv.small_linear(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(cpu_prepack, "small_linear", counting)
+    calls = spy_rows(cpu_prepack, "small_linear")
     weight = torch.randn(100, 64).to(dtype)
     packer = PackedLinear()
     x = torch.randn(SMALL_BATCH_ROWS + 1, 64).to(dtype)

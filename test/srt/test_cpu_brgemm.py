@@ -3,6 +3,9 @@ blocks, and its use by the packed linear layers."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -262,3 +265,29 @@ def _packers_and_modules(model: torch.nn.Module) -> list[tuple[PackedLinear, tor
         and isinstance(getattr(m, "weight", None), torch.Tensor)
         and m.weight.shape[0] % 16 == 0
     ]
+
+
+def test_float32_with_onednn_capped_at_avx2() -> None:
+    """An AVX2 host's path, on this one: with oneDNN capped at AVX2 (in a fresh process, as the
+    cap is read once) the float32 products are oneDNN's AVX2 kernels and still agree with a
+    float64 product; bfloat16 weights are not taken."""
+    code = """
+import torch
+from sglang.srt.layers import cpu_brgemm
+assert cpu_brgemm.load_kernel() and not cpu_brgemm.bf16_supported()
+torch.manual_seed(0)
+for n, k in ((96, 40), (576, 576)):
+    w, b = torch.randn(n, k), torch.randn(n)
+    blocked = cpu_brgemm.block_weight(w, cpu_brgemm.column_block(n, torch.get_num_threads()))
+    for rows in (1, 3, 64, 300):
+        x = torch.randn(rows, k)
+        got = cpu_brgemm.blocked_linear(x, blocked, b).double()
+        expected = x.double() @ w.double().T + b.double()
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
+print("ok")
+"""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

@@ -176,9 +176,14 @@ def host_supported() -> bool:
 
 def bf16_supported() -> bool:
     """Whether bfloat16 weights take the kernel here: AVX512-BF16 and no AMX (see the module
-    docstring)."""
+    docstring), with oneDNN allowed to use them (``ONEDNN_MAX_CPU_ISA`` can cap it below)."""
     flags = cpu_flags()
-    return host_supported() and " avx512_bf16" in flags and " amx_bf16" not in flags
+    return (
+        host_supported()
+        and " avx512_bf16" in flags
+        and " amx_bf16" not in flags
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
 
 
 def load_kernel() -> bool:

@@ -142,8 +142,6 @@ class PackedLinear:
             # this kernel streams it at the memory's rate (layers/cpu_gemv.py).
             return small_linear(x, weight, bias)
         packed = self.packed_weight(weight) if x.dtype == weight.dtype else None
-        if packed is not None and packed.dim() > 2 and packed.dtype == x.dtype:
-            return blocked_linear(x, packed, bias)
         if packed is None:
             return linear(x, weight, bias)
         return packed_product(x, packed, bias)

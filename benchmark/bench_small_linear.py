@@ -71,11 +71,13 @@ def main() -> None:
         packed = [(torch.ops.mkldnn._reorder_linear_weight(w, 64), w.shape[1]) for w in weights]
         for threads in args.threads:
             torch.set_num_threads(threads)
+            widths = [cpu_brgemm.blockable(w, threads) if has_brgemm else None for w in weights]
             blocks = []
-            if has_brgemm and all(cpu_brgemm.blockable(w, threads) for w in weights):
+            if all(widths):
                 blocks = [
-                    (cpu_brgemm.block_weight(w, cpu_brgemm.blockable(w, threads) or 0), w.shape[1])
-                    for w in weights
+                    (cpu_brgemm.block_weight(w, nb), w.shape[1])
+                    for w, nb in zip(weights, widths)
+                    if nb is not None
                 ]
             for rows in args.rows:
                 inputs = {k: torch.randn(rows, k).to(dtype) for k in (HIDDEN, INTERMEDIATE)}

@@ -11,6 +11,7 @@ fallback.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import platform
@@ -111,8 +112,10 @@ inline f32x16 sum_lanes16(const f32x16* v) {
 _built: dict[str, ModuleType | None] = {}
 
 
+@functools.cache
 def cpu_flags() -> str:
-    """This CPU's feature-flags line of /proc/cpuinfo (empty if there is none)."""
+    """This CPU's feature-flags line of /proc/cpuinfo (empty if there is none); read once (~30
+    us a read, and the packing of every weight asks)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -24,6 +24,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
 
 TINY_VOCAB = 512
+# Room for the long requests the pause tests interrupt (engine_test_utils.MAX_NEW).
+TINY_CONTEXT = 4096
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -77,7 +79,7 @@ def write_tiny_model(path: Path, arch: str = "llama", **overrides: object) -> Pa
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=TINY_CONTEXT,
         initializer_range=0.2,
         tie_word_embeddings=False,
         bos_token_id=0,

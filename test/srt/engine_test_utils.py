@@ -23,9 +23,11 @@ from server_test_utils import ServerProcess
 import sglang as sgl
 
 POLL_S = 0.005
-# The requests the pause tests interrupt: long enough (seconds on CPU) to still be running.
+# The requests the pause tests interrupt. They must still be running when a test's control call
+# lands, however loaded the host: four of them take ~1.3 s on the tiny model with 2 CPU cores
+# (400 tokens, 0.2 s, once finished before a loaded CI host saw them all running).
 NUM_REQS = 4
-MAX_NEW = 400
+MAX_NEW = 1500
 
 StateFn = Callable[[], dict[str, Any]]
 

@@ -20,7 +20,9 @@ GREEDY = {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Callable[..., Path]) -> Iterator[ServerProcess]:
-    with ServerProcess(tiny_model_dir("llama"), "--skip-server-warmup") as srv:
+    # A 512-token context: the budget test below fills it with a short prompt.
+    model = tiny_model_dir("llama", max_position_embeddings=512)
+    with ServerProcess(model, "--skip-server-warmup") as srv:
         yield srv
 
 

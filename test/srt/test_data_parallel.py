@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 from engine_test_utils import (
+    MAX_NEW,
     assert_kv_all_back,
     broadcast_weight_sync,
     check_complete,
@@ -41,8 +42,6 @@ from sglang.srt.managers.io_struct import (
 )
 
 DP = 2
-MAX_NEW = 480  # the tiny model's context is 512: long enough to watch requests run
-HTTP_MAX_NEW = MAX_NEW
 PROMPTS = [[10 + i, 20, 30, 40 + i] for i in range(6)]
 
 
@@ -375,7 +374,7 @@ def test_http_generate_pause_continue(model_path: str) -> None:
                        "--load-balance-method", "shortest_queue") as server:
         def generate(i: int) -> dict:
             body = {"input_ids": PROMPTS[i], "return_logprob": True,
-                    "sampling_params": _greedy(HTTP_MAX_NEW)}
+                    "sampling_params": _greedy(MAX_NEW)}
             r = post(server, "/generate", body)
             assert r.status_code == 200, r.text
             return r.json()
@@ -400,7 +399,7 @@ def test_http_generate_pause_continue(model_path: str) -> None:
             outs = [f.result(timeout=120) for f in futs]
         assert not httpx.get(server.url + "/is_paused", timeout=10).json()["is_paused"]
         for out in outs:
-            check_complete(out, HTTP_MAX_NEW)
+            check_complete(out, MAX_NEW)
             assert out["meta_info"]["total_retractions"] == 1
         wait_for(lambda: all(s["running_batch_size"] == 0 for s in states()))
         for state in states():

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-from engine_test_utils import engine_state, wait_for
+from engine_test_utils import MAX_NEW, engine_state, wait_for
 
 import sglang as sgl
 
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
-LONG = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}  # seconds on CPU
+LONG = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
 PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44], [100, 7]]
 
 

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from engine_test_utils import (
+    MAX_NEW,
     engine_state,
     ids_and_logprobs,
     wait_for,
@@ -17,7 +18,6 @@ from engine_test_utils import (
 
 import sglang as sgl
 
-MAX_NEW = 300
 PROMPTS = [[11, 12, 13, 14], [21, 22, 23], [31, 32, 33, 34, 35], [41, 42]]
 PARAMS = {
     "greedy": {"temperature": 0},

@@ -74,7 +74,7 @@ def test_in_place_pause_keeps_requests_and_kv(engine) -> None:
 
 def test_alternating_modes_over_three_cycles(engine) -> None:
     with ThreadPoolExecutor(NUM_REQS) as pool:
-        futs = submit_greedy(engine, pool, max_new=480)
+        futs = submit_greedy(engine, pool)
         wait_running(lambda: engine_state(engine))
         for mode in ("retract", "in_place", "retract"):
             engine.pause_generation(mode=mode)
@@ -84,7 +84,7 @@ def test_alternating_modes_over_three_cycles(engine) -> None:
             wait_running(lambda: engine_state(engine))
         outs = [f.result(timeout=60) for f in futs]
     for out in outs:
-        check_complete(out, 480)
+        check_complete(out)
         assert out["meta_info"]["total_retractions"] == 2
 
 
@@ -197,7 +197,7 @@ def test_vllm_vocabulary(engine) -> None:
         engine.continue_generation()
         for f in futs:
             check_complete(f.result(timeout=60))
-        futs = submit_greedy(engine, pool, max_new=60)
+        futs = submit_greedy(engine, pool)
         wait_running(lambda: engine_state(engine))
         reply = engine.pause_generation(mode="wait")  # returns once the running ones finished
         assert reply["num_running"] == 0 and reply["num_retracted"] == 0
@@ -205,19 +205,19 @@ def test_vllm_vocabulary(engine) -> None:
         assert state["running_batch_size"] == 0 and state["pause_phase"] == "paused"
         for f in futs:  # each ran to its end before the pause took effect
             out = f.result(timeout=60)
-            check_complete(out, 60)
+            check_complete(out)
             assert out["meta_info"]["total_retractions"] == 0
         engine.continue_generation()
 
 
 def test_pause_lease_expires(engine) -> None:
     with ThreadPoolExecutor(NUM_REQS) as pool:
-        futs = submit_greedy(engine, pool, max_new=100)
+        futs = submit_greedy(engine, pool)
         wait_running(lambda: engine_state(engine))
         engine.pause_generation(mode="in_place", timeout_s=0.3)
         assert engine_state(engine)["engine_paused"]
         for f in futs:  # the lease ends the pause without any continue call
-            check_complete(f.result(timeout=30), 100)
+            check_complete(f.result(timeout=30))
         assert not engine_state(engine)["engine_paused"]
 
 

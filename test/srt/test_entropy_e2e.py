@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
-from engine_test_utils import engine_state, wait_for
+from engine_test_utils import MAX_NEW, engine_state, wait_for
 
 import sglang as sgl
 
@@ -30,7 +30,7 @@ def engine(model_dir):
     with sgl.Engine(
         model_path=str(model_dir),
         random_seed=0,
-        max_total_tokens=4096,
+        max_total_tokens=8192,
         enable_entropy_with_logprobs=True,
     ) as eng:
         yield eng
@@ -175,7 +175,7 @@ def _submit(engine, pool: ThreadPoolExecutor, rids: list[str], max_new: int) -> 
 def test_entropy_stays_aligned_after_retract(engine, hf_model) -> None:
     rids = [f"retract-{i}" for i in range(3)]
     with ThreadPoolExecutor(len(rids)) as pool:
-        futures = _submit(engine, pool, rids, max_new=120)
+        futures = _submit(engine, pool, rids, max_new=MAX_NEW)
         wait_for(lambda: engine_state(engine)["running_batch_size"] == len(rids))
         try:
             assert engine.pause_generation(mode="retract")["num_retracted"] == len(rids)
@@ -184,7 +184,7 @@ def test_entropy_stays_aligned_after_retract(engine, hf_model) -> None:
         outs = [f.result(timeout=60) for f in futures]
     for i, out in enumerate(outs):
         assert out["meta_info"]["total_retractions"] >= 1
-        assert out["meta_info"]["completion_tokens"] == 120
+        assert out["meta_info"]["completion_tokens"] == MAX_NEW
         got = check_aligned(out)
         prompt = [20 + i, *PROMPT]
         logits = teacher_forced_logits(hf_model, prompt, out["output_ids"])
@@ -195,7 +195,7 @@ def test_entropy_stays_aligned_after_retract(engine, hf_model) -> None:
 def test_entropy_stays_aligned_after_abort(engine, hf_model) -> None:
     done = threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        (future,) = _submit(engine, pool, ["abort-me"], max_new=400)
+        (future,) = _submit(engine, pool, ["abort-me"], max_new=MAX_NEW)
         future.add_done_callback(lambda _: done.set())
         start = engine_state(engine)["forward_ct_decode"]
         wait_for(lambda: engine_state(engine)["forward_ct_decode"] >= start + 5 or done.is_set())
@@ -203,6 +203,6 @@ def test_entropy_stays_aligned_after_abort(engine, hf_model) -> None:
         out = future.result(timeout=60)
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     got = check_aligned(out)
-    assert 0 < len(got) < 400
+    assert 0 < len(got) < MAX_NEW
     logits = teacher_forced_logits(hf_model, [20, *PROMPT], out["output_ids"])
     assert got == pytest.approx([entropy64(r) for r in logits], abs=1e-4, rel=1e-4)

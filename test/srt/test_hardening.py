@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from engine_test_utils import REFERENCE_REQUEST, reference_ids
+from engine_test_utils import MAX_NEW, REFERENCE_REQUEST, reference_ids
 from server_test_utils import ServerProcess
 
 from sglang.srt.entrypoints.engine import _make_request
@@ -355,7 +355,7 @@ def test_sigterm_answers_in_flight_requests_and_removes_the_ipc_dir(
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     slow = {
         "input_ids": [5, 6, 7],
-        "sampling_params": {"temperature": 0, "max_new_tokens": 500, "ignore_eos": True},
+        "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True},
     }
     results: dict[str, Any] = {}
 

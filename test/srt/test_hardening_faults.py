@@ -24,7 +24,7 @@ import httpx
 import psutil
 import pytest
 import zmq
-from engine_test_utils import assert_kv_all_back, engine_state, wait_for
+from engine_test_utils import MAX_NEW, assert_kv_all_back, engine_state, wait_for
 from server_test_utils import REPO_ROOT, ServerProcess
 
 import sglang.srt.managers.tokenizer_manager as tm_module
@@ -70,8 +70,8 @@ def test_detokenizer_failure_aborts_the_request_in_the_scheduler(
     import sglang as sgl  # here: conftest sets TRITON_INTERPRET first
 
     model = _picky_model(tiny_model_dir("llama"), tmp_path / "picky")
-    params: dict[str, Any] = {"temperature": 0, "max_new_tokens": 300, "ignore_eos": True}
-    poisoned = {**params, "max_new_tokens": 400, "spaces_between_special_tokens": False}
+    params: dict[str, Any] = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+    poisoned = {**params, "max_new_tokens": MAX_NEW + 100, "spaces_between_special_tokens": False}
     healthy_ids = [11, 20, 30, 41]
     with sgl.Engine(
         model_path=str(model),
@@ -97,8 +97,8 @@ def test_detokenizer_failure_aborts_the_request_in_the_scheduler(
                     chunks.append(chunk)
 
             pool.submit(poisoned_stream).result(60)
-            # The failed request leaves the scheduler at once (it would otherwise run its 400
-            # tokens and outlive the healthy one), its KV back in the pool.
+            # The failed request leaves the scheduler at once (it would otherwise run longer than
+            # the healthy one), its KV back in the pool.
             wait_for(lambda: _gone(engine_state(engine), "poisoned"), timeout=10)
             assert not good.done()
             out = good.result(120)
@@ -109,7 +109,7 @@ def test_detokenizer_failure_aborts_the_request_in_the_scheduler(
     finals = [c["meta_info"]["finish_reason"] for c in chunks if c["meta_info"]["finish_reason"]]
     assert len(finals) == 1 and chunks[-1]["meta_info"]["finish_reason"] == finals[0]
     assert finals[0]["type"] == "abort" and "poisoned request" in finals[0]["message"]
-    assert out["output_ids"] == alone["output_ids"] and len(out["output_ids"]) == 300
+    assert out["output_ids"] == alone["output_ids"] and len(out["output_ids"]) == MAX_NEW
     assert out["meta_info"]["finish_reason"]["type"] == "length"
 
 

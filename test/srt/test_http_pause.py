@@ -8,10 +8,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from engine_test_utils import post, server_state, wait_for, wait_running
+from engine_test_utils import MAX_NEW, post, server_state, wait_for, wait_running
 from server_test_utils import ServerProcess
-
-MAX_NEW = 400
 
 
 @pytest.fixture(scope="module")

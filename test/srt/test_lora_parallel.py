@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_test_utils import engine_state, post, wait_for
+from engine_test_utils import MAX_NEW, engine_state, post, wait_for
 from test_lora import ALL, write_adapter
 
 import sglang as sgl
@@ -42,8 +42,8 @@ from sglang.srt.server_args import ServerArgs
 
 TP = 2
 PROMPTS = [[5, 17, 33, 80, 120, 7], [9, 9, 41, 200, 3], [100, 101, 102, 103, 104, 105, 106]]
-MAX_NEW = 8
-GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW}
+SHORT = 8
+GREEDY = {"temperature": 0, "max_new_tokens": SHORT}
 # name -> (seed, rank, target modules)
 ADAPTERS = {"a": (1, 4, ALL), "b": (2, 8, ["q_proj", "v_proj"]), "c": (3, 4, ALL)}
 LORA_ARGS = {"max_loras_per_batch": 2, "max_lora_rank": 8, "max_total_tokens": 4096}
@@ -207,7 +207,7 @@ def reference_server(lora_dirs: dict[str, Path]) -> Iterator[Any]:
 
 
 def reference_ids(server: Any, prompts: list[list[int]], names: list[str | None],
-                  max_new: int = MAX_NEW) -> list[list[int]]:
+                  max_new: int = SHORT) -> list[list[int]]:
     """Greedy output ids of the TP=1 server, one batch."""
     params = {**GREEDY, "max_new_tokens": max_new, "ignore_eos": True}
     r = post(server, "/generate", {"input_ids": prompts, "lora_path": names,
@@ -217,7 +217,7 @@ def reference_ids(server: Any, prompts: list[list[int]], names: list[str | None]
 
 
 def output_ids(engine: sgl.Engine, prompts: list[list[int]], names: list[str | None],
-               max_new: int = MAX_NEW) -> list[list[int]]:
+               max_new: int = SHORT) -> list[list[int]]:
     params = {**GREEDY, "max_new_tokens": max_new, "ignore_eos": True}
     outs = engine.generate(input_ids=prompts, sampling_params=params, lora_path=names)
     return [o["output_ids"] for o in outs]
@@ -301,7 +301,7 @@ def test_tp2_adapter_from_tensors_and_slot_eviction(
 
 
 def test_tp2_pause_one_adapter_retract_while_other_runs(tp2: sgl.Engine) -> None:
-    long = 96
+    long = 96  # ~1.5 s: a TP=2 step with adapters takes ~17 ms
     want = output_ids(tp2, PROMPTS[:2], ["a", "b"], long)  # uninterrupted, TP=2
     params = {**GREEDY, "max_new_tokens": long, "ignore_eos": True}
     with ThreadPoolExecutor(2) as pool:
@@ -348,7 +348,7 @@ def test_dp2_load_outputs_pause_unload(lora_dirs: dict[str, Path], reference_ser
                                                                     PROMPTS[:1], ["a"])
         # An unload refused on the replica where "b" runs, unloaded on the other: the retry
         # after the abort completes it on both.
-        long = {**GREEDY, "max_new_tokens": 480, "ignore_eos": True}
+        long = {**GREEDY, "max_new_tokens": MAX_NEW, "ignore_eos": True}
         with ThreadPoolExecutor(1) as pool:
             fut = pool.submit(eng.generate, input_ids=PROMPTS[1], sampling_params=long,
                               lora_path="b")

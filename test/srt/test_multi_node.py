@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from engine_test_utils import assert_kv_all_back, post, wait_for
+from engine_test_utils import MAX_NEW, assert_kv_all_back, post, wait_for
 from server_test_utils import REPO_ROOT, ServerProcess, free_port
 
 KV_TOKENS = "20000"
@@ -115,7 +115,7 @@ def test_two_nodes_serve_and_a_killed_rank_stops_both(
         # A long request is running when node 1's rank is killed.
         result: dict = {}
         long_body = {"input_ids": [1, 2, 3], "sampling_params": {
-            "temperature": 0, "max_new_tokens": 450, "ignore_eos": True}}
+            "temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}}
 
         def generate() -> None:
             result["response"] = post(server, "/generate", long_body)

@@ -36,6 +36,7 @@ from sglang.srt.managers.pause_state import PauseState
 from sglang.srt.managers.tp_group_io import merge_turn_replies
 
 TP = 2
+# Fewer than engine_test_utils.MAX_NEW: a TP=2 step takes ~6 ms, so these still run seconds.
 MAX_NEW = 400
 KV_TOKENS = 20000  # per rank: small enough for the invariant checks to be quick
 PROMPTS = [[10 + i, 20, 30, 40 + i] for i in range(6)]
@@ -228,12 +229,12 @@ def test_pause_lease_expires_on_every_rank_together(engine: sgl.Engine) -> None:
 
 def test_wait_pause_drains_then_answers(engine: sgl.Engine) -> None:
     with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(engine.generate, input_ids=PROMPTS[0], sampling_params=_greedy(120),
+        fut = pool.submit(engine.generate, input_ids=PROMPTS[0], sampling_params=_greedy(),
                           return_logprob=True)  # long enough to be seen running
         wait_for(lambda: _rank_states(engine)[0]["running_batch_size"] == 1)
         reply = engine.pause_generation(mode="wait")
         assert reply["status"] == "ok"
-        check_complete(fut.result(timeout=60), 120)  # it finished before the pause answered
+        check_complete(fut.result(timeout=60), MAX_NEW)  # it finished before the pause answered
     assert all(r["engine_paused"] and r["running_batch_size"] == 0 for r in _rank_states(engine))
     engine.continue_generation()
 

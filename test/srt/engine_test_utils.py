@@ -13,8 +13,9 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -80,6 +81,23 @@ def wait_loop_turns(get_state: StateFn, n: int, timeout: float = 30.0) -> dict[s
         assert time.monotonic() < deadline, f"the scheduler did not turn {n} times: {state}"
         time.sleep(POLL_S)
     return state
+
+
+@contextmanager
+def request_pool(engine: sgl.Engine, workers: int) -> Iterator[ThreadPoolExecutor]:
+    """A thread pool for blocking ``engine.generate`` calls. When the block raises, the engine
+    is continued and every request aborted before the pool shuts down: a check failing while
+    the engine is paused would otherwise leave the pool waiting on its requests forever (a
+    hung CI run instead of a failed test)."""
+    pool = ThreadPoolExecutor(workers)
+    try:
+        yield pool
+    except BaseException:
+        engine.continue_generation()
+        engine.abort_request(abort_all=True)
+        raise
+    finally:
+        pool.shutdown(wait=True)
 
 
 def submit_greedy(

@@ -21,6 +21,7 @@ from engine_test_utils import (
     broadcast_weight_sync,
     check_complete,
     post,
+    request_pool,
     storm_requests,
     wait_for,
 )
@@ -184,7 +185,7 @@ def test_dp2_outputs_equal_dp1(engine: sgl.Engine, model_path: str) -> None:
 
 
 def test_requests_spread_over_ranks(engine: sgl.Engine) -> None:
-    with ThreadPoolExecutor(4) as pool:
+    with request_pool(engine, 4) as pool:
         futs = _submit(engine, pool, 4, "spread")
         wait_for(lambda: _running_per_rank(engine) == [2, 2])
         rids = [set(s["running_batch_rids"]) for s in _states(engine)]
@@ -196,7 +197,7 @@ def test_requests_spread_over_ranks(engine: sgl.Engine) -> None:
 
 
 def test_abort_by_rid_reaches_its_rank(engine: sgl.Engine) -> None:
-    with ThreadPoolExecutor(4) as pool:
+    with request_pool(engine, 4) as pool:
         futs = _submit(engine, pool, 4, "ab")
         wait_for(lambda: _running_per_rank(engine) == [2, 2])
         holder = next(r for r, s in enumerate(_states(engine)) if "ab-3" in s["running_batch_rids"])
@@ -211,7 +212,7 @@ def test_abort_by_rid_reaches_its_rank(engine: sgl.Engine) -> None:
 
 
 def test_retract_pause_reply_sums_ranks_and_state_is_all_ranks(engine: sgl.Engine) -> None:
-    with ThreadPoolExecutor(4) as pool:
+    with request_pool(engine, 4) as pool:
         futs = _submit(engine, pool, 4, "rt")
         wait_for(lambda: _running_per_rank(engine) == [2, 2])
         reply = engine.pause_generation(mode="retract")
@@ -231,7 +232,7 @@ def test_retract_pause_reply_sums_ranks_and_state_is_all_ranks(engine: sgl.Engin
 
 
 def test_in_place_pause_refuses_flush_naming_ranks(engine: sgl.Engine) -> None:
-    with ThreadPoolExecutor(4) as pool:
+    with request_pool(engine, 4) as pool:
         futs = _submit(engine, pool, 4, "ip")
         wait_for(lambda: _running_per_rank(engine) == [2, 2])
         reply = engine.pause_generation(mode="in_place")
@@ -314,7 +315,7 @@ def test_tensor_update_version_and_memory_on_every_rank(engine: sgl.Engine) -> N
     assert engine.release_memory_occupation(["kv_cache"])["released_tags"] == ["kv_cache"]
     assert engine.resume_memory_occupation(["kv_cache"])["released_tags"] == []
     # Refused on the rank holding a request, succeeded on the other: undone there.
-    with ThreadPoolExecutor(1) as pool:
+    with request_pool(engine, 1) as pool:
         fut = pool.submit(engine.generate, input_ids=PROMPTS[0], sampling_params=_greedy(MAX_NEW),
                           return_logprob=True)
         wait_for(lambda: sum(_running_per_rank(engine)) == 1)

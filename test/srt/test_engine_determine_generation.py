@@ -4,13 +4,12 @@ resubmitting prompt + partial output with the remaining budget reproduces the re
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 from engine_test_utils import (
     MAX_NEW,
     engine_state,
     ids_and_logprobs,
+    request_pool,
     wait_for,
     wait_loop_turns,
     wait_running,
@@ -51,7 +50,7 @@ def _baseline(engine: sgl.Engine, prompts: list[list[int]], name: str) -> list[d
 
 def _interrupted(engine: sgl.Engine, prompts: list[list[int]], name: str, mode: str) -> list:
     engine.flush_cache()
-    with ThreadPoolExecutor(1) as pool:
+    with request_pool(engine, 1) as pool:
         fut = pool.submit(
             engine.generate, input_ids=prompts, sampling_params=_params(name), return_logprob=True
         )
@@ -99,7 +98,7 @@ def test_stream_through_retract_concatenates_to_the_baseline(engine) -> None:
     prompt = PROMPTS[0]
     expected = _baseline(engine, [prompt], "seeded")[0]
     chunks: list[dict] = []
-    with ThreadPoolExecutor(1) as pool:
+    with request_pool(engine, 1) as pool:
         fut = pool.submit(
             lambda: chunks.extend(
                 engine.generate(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from engine_test_utils import (
@@ -13,6 +12,7 @@ from engine_test_utils import (
     check_complete,
     control_storm,
     engine_state,
+    request_pool,
     submit_greedy,
     wait_for,
     wait_loop_turns,
@@ -31,7 +31,7 @@ def _resume_and_drain(engine):
 
 
 def test_retract_pause_releases_kv_and_resumes(engine) -> None:
-    with ThreadPoolExecutor(NUM_REQS) as pool:
+    with request_pool(engine, NUM_REQS) as pool:
         futs = submit_greedy(engine, pool)
         before = wait_running(lambda: engine_state(engine))
         reply = engine.pause_generation(mode="retract")
@@ -53,7 +53,7 @@ def test_retract_pause_releases_kv_and_resumes(engine) -> None:
 
 
 def test_in_place_pause_keeps_requests_and_kv(engine) -> None:
-    with ThreadPoolExecutor(NUM_REQS) as pool:
+    with request_pool(engine, NUM_REQS) as pool:
         futs = submit_greedy(engine, pool)
         wait_running(lambda: engine_state(engine))
         reply = engine.pause_generation(mode="in_place")
@@ -73,7 +73,7 @@ def test_in_place_pause_keeps_requests_and_kv(engine) -> None:
 
 
 def test_alternating_modes_over_three_cycles(engine) -> None:
-    with ThreadPoolExecutor(NUM_REQS) as pool:
+    with request_pool(engine, NUM_REQS) as pool:
         futs = submit_greedy(engine, pool)
         wait_running(lambda: engine_state(engine))
         for mode in ("retract", "in_place", "retract"):
@@ -89,7 +89,7 @@ def test_alternating_modes_over_three_cycles(engine) -> None:
 
 
 def test_abort_pause_ends_every_request(engine) -> None:
-    with ThreadPoolExecutor(NUM_REQS + 2) as pool:
+    with request_pool(engine, NUM_REQS + 2) as pool:
         futs = submit_greedy(engine, pool)
         wait_running(lambda: engine_state(engine))
         reply = engine.pause_generation(mode="abort")
@@ -116,7 +116,7 @@ def test_abort_pause_ends_every_request(engine) -> None:
 
 
 def test_flush_refused_in_place_allowed_after_retract(engine) -> None:
-    with ThreadPoolExecutor(NUM_REQS) as pool:
+    with request_pool(engine, NUM_REQS) as pool:
         futs = submit_greedy(engine, pool)
         wait_running(lambda: engine_state(engine))
         engine.pause_generation(mode="in_place")
@@ -168,7 +168,7 @@ def test_pause_idempotent_and_bad_mode(engine) -> None:
 
 
 def test_abort_by_rid_during_pause(engine) -> None:
-    with ThreadPoolExecutor(2) as pool:
+    with request_pool(engine, 2) as pool:
         engine.pause_generation(mode="in_place")
         params = {"max_new_tokens": 8, "ignore_eos": True}
         a = pool.submit(engine.generate, input_ids=[1, 2, 3], sampling_params=params, rid="job-a")
@@ -184,7 +184,7 @@ def test_abort_by_rid_during_pause(engine) -> None:
 
 
 def test_vllm_vocabulary(engine) -> None:
-    with ThreadPoolExecutor(NUM_REQS) as pool:
+    with request_pool(engine, NUM_REQS) as pool:
         futs = submit_greedy(engine, pool)
         wait_running(lambda: engine_state(engine))
         reply = engine.pause_generation(mode="keep", clear_cache=True)
@@ -211,7 +211,7 @@ def test_vllm_vocabulary(engine) -> None:
 
 
 def test_pause_lease_expires(engine) -> None:
-    with ThreadPoolExecutor(NUM_REQS) as pool:
+    with request_pool(engine, NUM_REQS) as pool:
         futs = submit_greedy(engine, pool)
         wait_running(lambda: engine_state(engine))
         engine.pause_generation(mode="in_place", timeout_s=0.3)
@@ -226,7 +226,7 @@ def test_stress_random_control_calls(engine) -> None:
     engine.flush_cache()
     initial = engine_state(engine)["available_kv_tokens"]
     num = 24
-    with ThreadPoolExecutor(num) as pool:
+    with request_pool(engine, num) as pool:
         futs = [
             pool.submit(
                 engine.generate,
@@ -256,7 +256,7 @@ def test_pause_abort_races_tokenization(engine) -> None:
     """A pause racing a big batch still being tokenized: every request ends exactly once."""
     texts = [f"request {i} " + "lorem ipsum dolor " * 12 for i in range(16)]
     params = {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
-    with ThreadPoolExecutor(1) as pool:
+    with request_pool(engine, 1) as pool:
         fut = pool.submit(engine.generate, texts, params, return_logprob=True)
         reply = engine.pause_generation(mode="abort")
         engine.continue_generation()

@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
-from engine_test_utils import MAX_NEW, engine_state, wait_for
+from engine_test_utils import MAX_NEW, engine_state, request_pool, wait_for
 
 import sglang as sgl
 
@@ -174,7 +174,7 @@ def _submit(engine, pool: ThreadPoolExecutor, rids: list[str], max_new: int) -> 
 
 def test_entropy_stays_aligned_after_retract(engine, hf_model) -> None:
     rids = [f"retract-{i}" for i in range(3)]
-    with ThreadPoolExecutor(len(rids)) as pool:
+    with request_pool(engine, len(rids)) as pool:
         futures = _submit(engine, pool, rids, max_new=MAX_NEW)
         wait_for(lambda: engine_state(engine)["running_batch_size"] == len(rids))
         try:
@@ -194,7 +194,7 @@ def test_entropy_stays_aligned_after_retract(engine, hf_model) -> None:
 
 def test_entropy_stays_aligned_after_abort(engine, hf_model) -> None:
     done = threading.Event()
-    with ThreadPoolExecutor(1) as pool:
+    with request_pool(engine, 1) as pool:
         (future,) = _submit(engine, pool, ["abort-me"], max_new=MAX_NEW)
         future.add_done_callback(lambda _: done.set())
         start = engine_state(engine)["forward_ct_decode"]

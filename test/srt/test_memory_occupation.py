@@ -4,14 +4,13 @@ nothing scheduled while released, and no KV leaked."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import requests
 import torch
 from engine_test_utils import (
     check_complete,
     engine_state,
+    request_pool,
     submit_greedy,
     wait_for,
     wait_loop_turns,
@@ -49,7 +48,7 @@ def test_release_all_then_resume_all_gives_the_same_outputs(engine) -> None:
 def test_nothing_runs_while_released_and_queued_requests_finish_after(engine) -> None:
     expected = engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
     engine.release_memory_occupation(tags=["kv_cache"])
-    with ThreadPoolExecutor(1) as pool:
+    with request_pool(engine, 1) as pool:
         fut = pool.submit(engine.generate, input_ids=PROMPT, sampling_params=GREEDY)
         wait_for(lambda: engine_state(engine)["waiting_queue_size"] == 1)
         state = wait_loop_turns(lambda: engine_state(engine), 20)
@@ -60,7 +59,7 @@ def test_nothing_runs_while_released_and_queued_requests_finish_after(engine) ->
 
 
 def test_release_is_refused_while_requests_hold_kv(engine) -> None:
-    with ThreadPoolExecutor(4) as pool:
+    with request_pool(engine, 4) as pool:
         futs = submit_greedy(engine, pool)
         wait_running(lambda: engine_state(engine))
         engine.pause_generation(mode="in_place")
@@ -76,7 +75,7 @@ def test_rl_cycle_retract_release_push_weights_resume_continue(engine) -> None:
     """Retracted requests survive the release and finish with exact token accounting; weights
     pushed between the two resumes are the ones used afterwards."""
     original = torch.tensor(engine.get_weights_by_name("lm_head.weight", truncate_size=10**6))
-    with ThreadPoolExecutor(4) as pool:
+    with request_pool(engine, 4) as pool:
         futs = submit_greedy(engine, pool)
         wait_running(lambda: engine_state(engine))
         engine.pause_generation(mode="retract")

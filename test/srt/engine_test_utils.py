@@ -84,16 +84,20 @@ def wait_loop_turns(get_state: StateFn, n: int, timeout: float = 30.0) -> dict[s
 
 
 @contextmanager
-def request_pool(engine: sgl.Engine, workers: int) -> Iterator[ThreadPoolExecutor]:
+def request_pool(
+    engine: sgl.Engine, workers: int, lora_name: str | None = None
+) -> Iterator[ThreadPoolExecutor]:
     """A thread pool for blocking ``engine.generate`` calls. When the block raises, the engine
-    is continued and every request aborted before the pool shuts down: a check failing while
-    the engine is paused would otherwise leave the pool waiting on its requests forever (a
-    hung CI run instead of a failed test)."""
+    (and adapter ``lora_name``, if given) is continued and every request aborted before the
+    pool shuts down: a check failing while paused would otherwise leave the pool waiting on
+    its requests forever (a hung CI run instead of a failed test)."""
     pool = ThreadPoolExecutor(workers)
     try:
         yield pool
     except BaseException:
         engine.continue_generation()
+        if lora_name is not None:
+            engine.continue_generation(lora_name=lora_name)
         engine.abort_request(abort_all=True)
         raise
     finally:

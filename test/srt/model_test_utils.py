@@ -198,3 +198,13 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], num_steps: int) -> lis
         for row, logits in zip(tokens, out.next_token_logits):
             row.append(int(logits.argmax()))
     return tokens
+
+
+def teacher_forced_logits(
+    hf_model: torch.nn.Module, prompt: list[int], output_ids: list[int]
+) -> torch.Tensor:
+    """[len(output_ids), V] float64: the logits each output token was sampled from."""
+    ids = torch.tensor([prompt + output_ids])
+    with torch.no_grad():
+        logits = hf_model(ids).logits[0].double()
+    return logits[len(prompt) - 1 : len(prompt) - 1 + len(output_ids)]

@@ -12,6 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 import torch
 from engine_test_utils import MAX_NEW, engine_state, request_pool, wait_for
+from model_test_utils import teacher_forced_logits
 
 import sglang as sgl
 
@@ -41,14 +42,6 @@ def hf_model(model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def teacher_forced_logits(hf_model, prompt: list[int], output_ids: list[int]) -> torch.Tensor:
-    """[len(output_ids), V] float64: the logits each output token was sampled from."""
-    ids = torch.tensor([prompt + output_ids])
-    with torch.no_grad():
-        logits = hf_model(ids).logits[0].double()
-    return logits[len(prompt) - 1 : len(prompt) - 1 + len(output_ids)]
 
 
 def entropy64(values: torch.Tensor) -> float:

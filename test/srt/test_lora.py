@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 from engine_test_utils import MAX_NEW as LONG  # still running when a test pauses it
-from engine_test_utils import engine_state, wait_for, wait_loop_turns
+from engine_test_utils import engine_state, request_pool, wait_for, wait_loop_turns
+from model_test_utils import teacher_forced_logits
 
 import sglang as sgl
 from sglang.srt.lora.scheduling import admissible
@@ -137,9 +138,7 @@ def check_greedy(model_of: Callable[[str | None], Any]) -> Callable[..., None]:
     def check(out: dict, name: str | None, prompt: list[int], n: int | None = None) -> None:
         ids = out["output_ids"][:n]
         assert ids
-        with torch.no_grad():
-            logits = model_of(name)(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
-        logp = torch.log_softmax(logits.double(), dim=-1)
+        logp = torch.log_softmax(teacher_forced_logits(model_of(name), prompt, ids), dim=-1)
         chosen = logp[torch.arange(len(ids)), torch.tensor(ids)]
         assert float((logp.max(dim=-1).values - chosen).max()) < 1e-4
         got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"][: len(ids)]]
@@ -278,25 +277,23 @@ def test_load_from_tensors(engine: sgl.Engine, lora_dirs: dict[str, Path],
 def test_pause_one_adapter_while_another_runs(engine: sgl.Engine, reference: Callable,
                                               check_greedy: Callable, mode: str) -> None:
     long = {"max_new_tokens": LONG, "ignore_eos": True}
-    with ThreadPoolExecutor(3) as pool:
+    with request_pool(engine, 3, lora_name="a") as pool:
         fut_a = pool.submit(gen, engine, PROMPTS[0], "a", **long)
         fut_b = pool.submit(gen, engine, PROMPTS[1], "b", **long)
         wait_for(lambda: engine_state(engine)["running_batch_size"] == 2)
         reply = engine.pause_generation(mode=mode, lora_name="a")
-        try:
-            assert reply["num_aborted"] == (1 if mode == "abort" else 0)
-            assert reply["num_retracted"] == (1 if mode == "retract" else 0)
-            # A request for the paused adapter waits, visibly; b runs to the end meanwhile.
-            fut_a2 = pool.submit(gen, engine, PROMPTS[2], "a")
-            wait_for(lambda: len(engine_state(engine)["waiting_queue_rids"]) >= 1)
-            out_b = fut_b.result(60)
-            state = wait_loop_turns(lambda: engine_state(engine), 5)
-            assert state["paused_loras"] == {"a": mode}
-            assert not fut_a2.done()
-            if mode == "in_place":
-                assert state["running_batch_size"] == 1  # a keeps its place (and KV)
-        finally:  # also when a check fails: leaving the pool waits for a's requests
-            engine.continue_generation(lora_name="a")
+        assert reply["num_aborted"] == (1 if mode == "abort" else 0)
+        assert reply["num_retracted"] == (1 if mode == "retract" else 0)
+        # A request for the paused adapter waits, visibly; b runs to the end meanwhile.
+        fut_a2 = pool.submit(gen, engine, PROMPTS[2], "a")
+        wait_for(lambda: len(engine_state(engine)["waiting_queue_rids"]) >= 1)
+        out_b = fut_b.result(60)
+        state = wait_loop_turns(lambda: engine_state(engine), 5)
+        assert state["paused_loras"] == {"a": mode}
+        assert not fut_a2.done()
+        if mode == "in_place":
+            assert state["running_batch_size"] == 1  # a keeps its place (and KV)
+        engine.continue_generation(lora_name="a")
         out_a = fut_a.result(60)
         check_matches(fut_a2.result(60), reference("a", PROMPTS[2]))
     assert len(out_b["output_ids"]) == LONG
@@ -320,17 +317,15 @@ def test_update_paused_adapter(engine: sgl.Engine, lora_dirs: dict[str, Path],
     assert gen(engine, prompt, "a")["output_ids"] == reference("a", prompt)[0]  # cache a's KV
     long = {"max_new_tokens": LONG, "ignore_eos": True}
     try:
-        with ThreadPoolExecutor(2) as pool:
+        with request_pool(engine, 2, lora_name="a") as pool:
             fut = pool.submit(gen, engine, PROMPTS[0], "a", **long)
             wait_for(lambda: engine_state(engine)["running_batch_size"] == 1)
             engine.pause_generation(mode="in_place", lora_name="a")
-            try:
-                # Refused while a is running and not paused: the load check below.
-                out = engine.load_lora_adapter("a", str(lora_dirs["d"]), weight_version="a-v2")
-                assert out.success, out.error_message
-                check_matches(gen(engine, PROMPTS[1], "b"), reference("b", PROMPTS[1]))
-            finally:  # also when a check fails: leaving the pool waits for a's request
-                engine.continue_generation(lora_name="a")
+            # Refused while a is running and not paused is covered by the load check below.
+            out = engine.load_lora_adapter("a", str(lora_dirs["d"]), weight_version="a-v2")
+            assert out.success, out.error_message
+            check_matches(gen(engine, PROMPTS[1], "b"), reference("b", PROMPTS[1]))
+            engine.continue_generation(lora_name="a")
             res = fut.result(60)
         spans = res["meta_info"]["weight_versions"]
         assert [s["version"] for s in spans] == ["1", "a-v2"]

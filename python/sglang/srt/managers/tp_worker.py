@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -74,17 +74,23 @@ class TpModelWorker:
             sampling_info.apply_logits_processors(logits)
             out = self.sampler.forward(logits, sampling_info, return_logprob, top_logprobs_nums)
             sampling_info.cumulate_output_tokens(out.next_token_ids)
-        return GenerationBatchResult(
-            next_token_ids=out.next_token_ids.tolist(),
-            next_token_logprobs=_to_list(out.logprobs),
-            top_logprobs_val=_to_list(out.top_logprobs_val),
-            top_logprobs_idx=_to_list(out.top_logprobs_idx),
-            input_token_logprobs=_to_list(logits_output.input_token_logprobs),
-            input_top_logprobs_val=_to_list(logits_output.input_top_logprobs_val),
-            input_top_logprobs_idx=_to_list(logits_output.input_top_logprobs_idx),
-            entropies=_to_list(out.entropies),
+        fields = (
+            out.next_token_ids,
+            out.logprobs,
+            out.top_logprobs_val,
+            out.top_logprobs_idx,
+            logits_output.input_token_logprobs,
+            logits_output.input_top_logprobs_val,
+            logits_output.input_top_logprobs_idx,
+            out.entropies,
         )
+        return GenerationBatchResult(*_to_host_lists(fields))
 
 
-def _to_list(t: torch.Tensor | None) -> list | None:
-    return None if t is None else t.tolist()
+def _to_host_lists(tensors: tuple[torch.Tensor | None, ...]) -> list[Any]:
+    """The step's results as Python lists, with one wait for the device: every copy is queued
+    first (non-blocking), then the stream is synchronized once (nothing on CPU)."""
+    host = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
+    if any(t is not None and t.device.type == "cuda" for t in tensors):
+        torch.cuda.current_stream().synchronize()
+    return [None if t is None else t.tolist() for t in host]

@@ -29,6 +29,7 @@ _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _REASONING_PARSERS = ("qwen3", "deepseek-r1")
 _TOOL_CALL_PARSERS = ("qwen25", "qwen", "llama3")
 _LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "auto")
+_DEFAULT_CUDA_GRAPH_MAX_BS = 256
 
 
 def _arg(default: Any, help: str, **extra: Any) -> Any:
@@ -217,6 +218,28 @@ class ServerArgs:
         "With --enable-torch-compile: decode batches of at most this many requests run the "
         "compiled layers (prefill always does), larger ones run eagerly.",
     )
+    disable_cuda_graph: bool = _arg(
+        False,
+        "CUDA: run decode steps eagerly instead of replaying the CUDA graphs captured at "
+        "start-up (one graph per batch size of --cuda-graph-bs; a batch is padded up to the "
+        "nearest; larger ones, LoRA batches and prefill run eagerly). No effect on CPU.",
+    )
+    cuda_graph_max_bs: int | None = _arg(
+        None,
+        "CUDA: largest decode batch run through a CUDA graph. Default: 256, or "
+        "--max-running-requests when smaller.",
+    )
+    cuda_graph_bs: list[int] | None = _arg(
+        None,
+        "CUDA: the decode batch sizes to capture, e.g. 1 2 4 8 16 (none above "
+        "--cuda-graph-max-bs is captured). Default: 1, 2, 4, 8, every multiple of 8 up to "
+        "--cuda-graph-max-bs, and that size itself.",
+    )
+    disable_cuda_graph_padding: bool = _arg(
+        False,
+        "CUDA: replay a graph only for a batch of exactly a captured size (no padding rows); "
+        "other sizes run eagerly.",
+    )
     random_seed: int = _arg(
         None, "Seed of the engine; requests without sampling_seed derive theirs from it."
     )
@@ -395,6 +418,7 @@ class ServerArgs:
             raise ValueError(
                 f"--torch-compile-max-bs must be >= 0, got {self.torch_compile_max_bs!r}"
             )
+        self._check_cuda_graph_sizes()
         if not isinstance(self.dp_size, int) or self.dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size!r}")
         self._check_parallelism()
@@ -548,6 +572,28 @@ class ServerArgs:
                     f"--custom-weight-loader: {path!r} is not an import path 'pkg.module.func'"
                 )
         self.custom_weight_loader = list(loaders)
+
+    def _check_cuda_graph_sizes(self) -> None:
+        max_bs, sizes = self.cuda_graph_max_bs, self.cuda_graph_bs
+        if max_bs is not None and (
+            not isinstance(max_bs, int) or isinstance(max_bs, bool) or max_bs < 1
+        ):
+            raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {max_bs!r}")
+        if sizes is not None:
+            if not isinstance(sizes, list) or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes
+            ):
+                raise ValueError(f"--cuda-graph-bs must be a list of sizes >= 1, got {sizes!r}")
+            self.cuda_graph_bs = sorted(set(sizes))
+
+    def cuda_graph_batch_sizes(self, max_running_requests: int) -> list[int]:
+        """The decode batch sizes to capture, ascending, none above ``cap`` = the smaller of
+        --cuda-graph-max-bs (default 256) and ``max_running_requests``: --cuda-graph-bs, else
+        1, 2, 4, 8, the multiples of 8 and ``cap`` itself."""
+        cap = min(self.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS, max_running_requests)
+        if self.cuda_graph_bs:
+            return [b for b in self.cuda_graph_bs if b <= cap] or [cap]
+        return sorted(b for b in {1, 2, 4, *range(8, cap + 1, 8), cap} if b <= cap)
 
     # ---- CLI generated from the fields -------------------------------------------------------
     @staticmethod

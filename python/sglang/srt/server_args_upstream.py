@@ -229,10 +229,6 @@ UPSTREAM_ONLY_FIELDS: dict[str, tuple[str, Any]] = {
     "offload_prefetch_step": ("int", 1),
     "offload_mode": ("str", 'cpu'),
     "multi_item_scoring_delimiter": ("int", None),
-    "cuda_graph_max_bs": ("int", None),
-    "cuda_graph_bs": ("list", None),
-    "disable_cuda_graph": ("bool", False),
-    "disable_cuda_graph_padding": ("bool", False),
     "enable_profile_cuda_graph": ("bool", False),
     "enable_cudagraph_gc": ("bool", False),
     "enable_layerwise_nvtx_marker": ("bool", False),
@@ -334,15 +330,15 @@ UPSTREAM_ONLY_FIELDS: dict[str, tuple[str, Any]] = {
 
 # Upstream fields accepted (with a warning) at any value: none of them changes the tokens,
 # logprobs or states that this build returns; they tune hardware paths this build does not
-# have (CUDA graphs, torch.compile's debug mode, custom all-reduce, NCCL, multimodal encoders,
-# CPU offload), logging and metrics, or multi-node placement that a single-node run does not use.
+# have (piecewise CUDA graphs, torch.compile's debug mode, custom all-reduce, NCCL, multimodal
+# encoders, CPU offload), logging and metrics, or multi-node placement that a single-node run
+# does not use.
 NOT_APPLICABLE: frozenset[str] = frozenset({
     "base_gpu_id", "gpu_id_step", "nccl_port",
     "enable_memory_saver", "enable_weights_cpu_backup",
     "mm_attention_backend", "enable_multimodal", "keep_mm_feature_on_device",
     "enable_broadcast_mm_inputs_process", "enable_prefix_mm_cache", "mm_enable_dp_encoder",
     "enable_mm_global_cache", "limit_mm_data_per_request", "mm_process_config",
-    "disable_cuda_graph", "disable_cuda_graph_padding", "cuda_graph_max_bs", "cuda_graph_bs",
     "enable_profile_cuda_graph", "disable_piecewise_cuda_graph", "enforce_piecewise_cuda_graph",
     "piecewise_cuda_graph_max_tokens", "piecewise_cuda_graph_tokens",
     "piecewise_cuda_graph_compiler",

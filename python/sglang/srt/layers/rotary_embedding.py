@@ -170,9 +170,17 @@ class RotaryEmbedding(nn.Module):
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
 
+    def start_forward(self) -> None:
+        """Forget the gathered cos/sin of the previous forward pass (the model calls this
+        first). A result kept across passes would escape a CUDA graph capture: a pass
+        captured with the same ``positions`` tensor as the pass before it would reuse that
+        pass's eager result instead of recording the gather, and replay stale rotations."""
+        self._last = None
+
     def _cos_sin_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_gather`, computed once per forward: every layer passes the same
-        ``positions`` tensor, so the last result is reused."""
+        ``positions`` tensor, so the result is reused within a pass (see
+        :meth:`start_forward`)."""
         if torch.compiler.is_compiling():
             # A compiled layer gathers in its graph (inductor fuses it into the rotation): the
             # identity cache is Python state that a graph must not depend on.

@@ -36,7 +36,8 @@ from sglang.srt.managers.io_struct import (
 logger = logging.getLogger(__name__)
 
 KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
-# Upstream's tags. There are no CUDA graphs to free: that tag is accepted and does nothing.
+# Upstream's tags. The CUDA graphs read the weights and the KV pool: releasing either drops
+# them too, and they are captured again once all three are back (nothing to do without graphs).
 MEMORY_TAGS = (KV_CACHE, WEIGHTS, CUDA_GRAPH)
 
 
@@ -59,6 +60,8 @@ class MemoryBackend(Protocol):
     def resume_kv_cache(self) -> None: ...
     def release_weights(self) -> None: ...
     def resume_weights(self) -> None: ...
+    def release_cuda_graph(self) -> None: ...
+    def resume_cuda_graph(self) -> None: ...
 
 
 class MemoryOccupation:
@@ -97,6 +100,9 @@ class MemoryOccupation:
             )
             return ReleaseMemoryOccupationReqOutput(False, message, self._state(), recv.req_id)
         new = [t for t in tags if t not in self.released]
+        if new:
+            # Before the tensors they read are freed (a no-op when already dropped).
+            self.backend.release_cuda_graph()
         if KV_CACHE in new:
             flushed = self.hooks.flush_cache()
             assert flushed, "a flush with no KV holder cannot be refused"
@@ -121,6 +127,8 @@ class MemoryOccupation:
         if KV_CACHE in back:
             self.backend.resume_kv_cache()
         self.released.difference_update(back)
+        if back and not self.released:
+            self.backend.resume_cuda_graph()
         logger.info("Resumed memory: %s", back or "nothing released")
         message = " ".join([f"Resumed {back}." if back else "Nothing to resume.", *notes])
         return ResumeMemoryOccupationReqOutput(True, message, self._state(), recv.req_id)

@@ -79,6 +79,8 @@ _KV_TOO_SMALL = "The KV cache is too small for this request"
 class ModelOwner(HasModel, MemoryBackend, Protocol):
     """The ModelRunner as the scheduler sees it: the live model and its memory."""
 
+    def cuda_graph_state(self) -> dict[str, Any]: ...
+
 
 class Scheduler:
     def __init__(
@@ -99,6 +101,7 @@ class Scheduler:
         self.server_args = server_args
         self.model_config = model_config
         self.worker = worker
+        self.runner = runner
         self.kv = kv
         self.tree_cache = kv.tree_cache
         self.max_total_num_tokens = kv.allocator.size
@@ -627,5 +630,6 @@ class Scheduler:
             "memory_released_tags": sorted(self.memory.released),
             "max_running_requests": self.max_running_requests,
             "tp_size": self.server_args.tp_size,
+            "cuda_graph": self.runner.cuda_graph_state(),
             **self.lora_ctl.internal_state(),
         }

@@ -15,19 +15,24 @@ class ReqToTokenPool:
     """``req_to_token[row, i]`` is the KV slot of token i of the request living in ``row``.
 
     Owner of the rows: the scheduler allocates one row per admitted request and frees it when the
-    request leaves the running set (finish, abort, retract).
+    request leaves the running set (finish, abort, retract). ``size`` rows are handed out; one
+    more, :attr:`padding_row`, never is: the padding rows of a padded decode batch (CUDA graphs)
+    use it, its entries all 0 (the allocator's reserved padding slot).
     """
 
     def __init__(self, size: int, max_context_len: int, device: str) -> None:
         self.size = size
+        self.padding_row = size
         self.max_context_len = max_context_len
         self.device = device
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self.req_to_token = torch.zeros(
+            (size + 1, max_context_len), dtype=torch.int64, device=device
+        )
         self._free_rows: list[int] = list(range(size))
         # Bumped whenever a row is handed out or rewritten through alloc/write/clear: whoever
         # keeps data derived from a row's KV (the CPU decode mirror) may reuse it while the
         # row's epoch is unchanged. Decode appends (one slot per step) do not bump it.
-        self.row_epochs: list[int] = [0] * size
+        self.row_epochs: list[int] = [0] * (size + 1)
 
     def available_size(self) -> int:
         return len(self._free_rows)

@@ -212,6 +212,8 @@ class LlamaModel(nn.Module):
             rope_scaling,
             partial_rotary_factor,
         )
+        # Shared by the layers' attention modules; its per-pass cache is reset in forward().
+        self.rotary_emb = rotary_emb
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, arch, rotary_emb) for i in range(config.num_hidden_layers)
@@ -222,6 +224,7 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         """Final-norm hidden states ``[num_tokens, hidden_size]``."""
+        self.rotary_emb.start_forward()
         hidden_states = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:

@@ -1,0 +1,143 @@
+"""The padded static-buffer decode path of the CUDA graph runner, run without capture on CPU:
+padding a decode batch up to a captured size changes no token and no logprob, also when the
+batch shrinks and grows between steps (stale rows of a larger step must not write K/V into a
+live request's slots). The captured path itself is checked on a GPU (test_cuda_graph_gpu.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from model_test_utils import RUNNER_SLOTS, BatchBuilder, make_runner
+
+from sglang.srt.model_executor.cuda_graph_runner import DecodeGraphRunner
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.server_args import ServerArgs
+
+SIZES = [1, 2, 4, 8]
+PROMPTS = [[5, 17, 99, 3], [42, 8], [7, 7, 7, 7, 7, 7], [300, 12, 64], [1, 2, 3, 4, 5, 6, 7, 8]]
+# Which requests decode at each step (the others wait, their KV kept, as in an in-place pause):
+# padded sizes that shrink, grow and repeat (a size's static batch runs again, its inputs
+# changed in place).
+STEPS = [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [0, 1, 2], [0, 1, 2, 3, 4], [3], [3], [1, 4], [0]]
+
+
+class Lane:
+    """One runner and its own slots, decoding the prompts greedily; ``padded`` routes its
+    decode steps through a DecodeGraphRunner without capture."""
+
+    def __init__(self, runner: ModelRunner, padded: bool) -> None:
+        self.runner = runner
+        self.builder = BatchBuilder(
+            runner.model.config, dtype=runner.dtype, num_slots=RUNNER_SLOTS - 1, max_reqs=8
+        )
+        self.graphs = (
+            DecodeGraphRunner(
+                runner._forward_eager, self.builder.req_to_token_pool, SIZES, "cpu", capture=False
+            )
+            if padded
+            else None
+        )
+        self.last: list[int] = []
+
+    def prefill(self) -> torch.Tensor:
+        batch = self.builder.extend([(f"r{i}", p) for i, p in enumerate(PROMPTS)])
+        logits = self.runner.forward(batch).next_token_logits
+        self.last = logits.argmax(-1).tolist()
+        return logits
+
+    def decode(self, which: list[int]) -> torch.Tensor:
+        batch = self.builder.decode([(f"r{i}", self.last[i]) for i in which])
+        if self.graphs is None:
+            logits = self.runner.forward(batch).next_token_logits
+        else:
+            assert self.graphs.can_run(batch)
+            logits = self.graphs.run(batch).next_token_logits.clone()
+            size = self.graphs.padded_size(len(which))
+            # The padding rows wrote only to the reserved slot.
+            assert self.graphs.out_cache_loc[len(which) : size].eq(0).all()
+        for i, token in zip(which, logits.argmax(-1).tolist()):
+            self.last[i] = token
+        return logits
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_padding_changes_no_token_and_no_logprob(
+    tiny_model_dir: Callable[..., Path], deterministic: bool
+) -> None:
+    path = tiny_model_dir()
+    # The torch ops, not the CPU fused kernels: what CUDA runs.
+    kwargs: dict = {"disable_cpu_fused_ops": True}
+    if deterministic:
+        kwargs["enable_deterministic_inference"] = True
+    eager = Lane(make_runner(path, **kwargs), padded=False)
+    padded = Lane(make_runner(path, **kwargs), padded=True)
+    steps = [(eager.prefill(), padded.prefill())]
+    steps += [(eager.decode(which), padded.decode(which)) for which in STEPS]
+    for want, got in steps:
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        want_lp, got_lp = want.log_softmax(-1), got.log_softmax(-1)
+        if deterministic:
+            # Batch-invariant products: the padded batch gives the same bits.
+            assert torch.equal(got_lp, want_lp)
+        else:
+            torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-5)
+
+
+def test_runner_takes_only_graph_batches(tiny_model_dir: Callable[..., Path]) -> None:
+    lane = Lane(make_runner(tiny_model_dir()), padded=True)
+    graphs = lane.graphs
+    assert graphs is not None
+    prefill = lane.builder.extend([("a", [1, 2, 3])])
+    assert not graphs.can_run(prefill)  # prefill runs eagerly
+    lane.runner.forward(prefill)
+    assert graphs.can_run(lane.builder.decode([("a", 4)]))
+    with_lora = lane.builder.decode([("a", 5)])
+    with_lora.lora_names = ["adapter"]
+    assert not graphs.can_run(with_lora)
+    assert [graphs.padded_size(b) for b in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    exact = DecodeGraphRunner(
+        lane.runner._forward_eager, lane.builder.req_to_token_pool, [1, 4], "cpu",
+        capture=False, pad=False,
+    )  # fmt: skip
+    assert exact.can_run(lane.builder.decode([("a", 6)]))
+    lane.builder.extend([("b", [9])])
+    assert not exact.can_run(lane.builder.decode([("a", 7), ("b", 8)]))  # 2 is not captured
+
+
+def test_capture_sizes_from_server_args(tiny_model_dir: Callable[..., Path]) -> None:
+    path = str(tiny_model_dir())
+    assert ServerArgs(model_path=path).cuda_graph_batch_sizes(256)[:6] == [1, 2, 4, 8, 16, 24]
+    assert ServerArgs(model_path=path).cuda_graph_batch_sizes(256)[-1] == 256
+    assert ServerArgs(model_path=path).cuda_graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert ServerArgs(model_path=path, cuda_graph_max_bs=12).cuda_graph_batch_sizes(64) == [
+        1, 2, 4, 8, 12,
+    ]  # fmt: skip
+    assert ServerArgs(model_path=path).cuda_graph_batch_sizes(3) == [1, 2, 3]
+    args = ServerArgs(model_path=path, cuda_graph_bs=[16, 3, 3, 1])
+    assert args.cuda_graph_bs == [1, 3, 16]
+    assert args.cuda_graph_batch_sizes(8) == [1, 3]
+    for bad in ({"cuda_graph_bs": [0, 2]}, {"cuda_graph_bs": [True]}, {"cuda_graph_max_bs": 0}):
+        with pytest.raises(ValueError, match="cuda-graph"):
+            ServerArgs(model_path=path, **bad)
+
+
+def test_a_pass_reads_positions_changed_in_place(tiny_model_dir: Callable[..., Path]) -> None:
+    """A replayed graph reads its static inputs afresh: no module may carry a result across
+    forward passes keyed by the identity of an input tensor (RotaryEmbedding once reused its
+    cos/sin gather when a pass had the same ``positions`` tensor as the pass before, so a
+    capture recorded no gather). Here the same batch object runs twice, its positions
+    changed in place in between, as a graph's static buffers are. The torch ops (not the CPU
+    fused kernels) are the CUDA path."""
+    lane = Lane(make_runner(tiny_model_dir(), disable_cpu_fused_ops=True), padded=False)
+    lane.runner.forward(lane.builder.extend([("a", [5, 6, 7, 8, 9, 10, 11, 12])]))
+    batch = lane.builder.decode([("a", 13)])
+    real = batch.positions.clone()
+    want = lane.runner.forward(replace(batch, positions=real)).next_token_logits.clone()
+    batch.positions.zero_()
+    lane.runner.forward(batch)  # a pass at position 0 (its K/V is rewritten below)
+    batch.positions.copy_(real)
+    assert torch.equal(lane.runner.forward(batch).next_token_logits, want)

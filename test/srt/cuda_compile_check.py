@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import sgl_kernel.batch_invariant as bi
+import sgl_kernel.fused_elementwise as fe
 import sgl_kernel.sampling as sampling
 import sglang.srt.lora.triton_kernels as lora_kernels
 import sglang.srt.lora.triton_ops as lora_ops
@@ -60,6 +61,23 @@ def main(capability: int) -> None:
             consts = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_G": block_g,
                       "BLOCK_D": block_d, "BLOCK_N": block_n}  # fmt: skip
             _compile(target, bi._paged_attention_kernel, types, consts, num_warps=4)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        ptr = "*" + _DTYPES[dtype]
+        for has_residual in (False, True):
+            types = {"x_ptr": ptr, "res_ptr": ptr, "w_ptr": ptr, "out_ptr": ptr,
+                     "sum_ptr": ptr, "eps": "fp32"}  # fmt: skip
+            consts = {"HAS_RESIDUAL": has_residual, "BLOCK": 1024}
+            _compile(target, fe._add_rms_norm_kernel, types, consts)
+        types = {"x_ptr": ptr, "out_ptr": ptr, "positions_ptr": "*i64", "table_ptr": "*fp32"}
+        for head_dim, rotary_dim, heads in [(64, 64, 12), (128, 64, 40)]:
+            half, rest = rotary_dim // 2, head_dim - rotary_dim
+            consts = {"HEAD_DIM": head_dim, "HALF": half, "BLOCK_H": triton.next_power_of_2(heads),
+                      "BLOCK_HALF": half, "PASS": rest,
+                      "BLOCK_PASS": triton.next_power_of_2(max(rest, 1))}  # fmt: skip
+            _compile(target, fe._rope_kernel, types, consts, **fe._LAUNCH)
+        types = {"x_ptr": ptr, "out_ptr": ptr}
+        _compile(target, fe._silu_and_mul_kernel, types, {"BLOCK": fe._SILU_BLOCK}, **fe._LAUNCH)
 
     block, search_block = sampling._tile_sizes(torch.device("cuda"), 151936)
     warps = {"num_warps": sampling._NUM_WARPS}

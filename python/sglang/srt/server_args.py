@@ -181,6 +181,13 @@ class ServerArgs:
         "(compiled at model load and cached in torch's extensions directory; they round where "
         "the torch ops round, see docs/performance.md).",
     )
+    disable_cuda_fused_ops: bool = _arg(
+        False,
+        "CUDA: run the torch ops instead of the fused Triton kernels for the add + RMSNorm, RoPE "
+        "and SiLU-and-mul of each layer (about 20 fewer kernels per layer; "
+        "docs/cuda_graph.md). Deterministic mode keeps the torch ops and its batch-invariant "
+        "norm. No effect on CPU.",
+    )
     disable_cpu_malloc_tuning: bool = _arg(
         False,
         "On CPU, keep glibc's default allocation policy: large blocks (over its mmap "

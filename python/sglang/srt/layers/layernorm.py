@@ -39,6 +39,8 @@ class RMSNorm(nn.Module):
         self.norm_fn = rms_norm
         # Set by the model runner once the CPU fused kernels are built (cpu_fused_ops.py).
         self.use_cpu_fused_ops = False
+        # Set by the model runner on CUDA: the Triton kernel (sgl_kernel.fused_elementwise).
+        self.use_triton_fused_ops = False
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm_fn(x, self.weight, self.eps)
@@ -53,14 +55,18 @@ class RMSNorm(nn.Module):
         The add happens in the input dtype, as in the HF decoder layers. Inputs are not mutated.
         """
         if (
-            self.use_cpu_fused_ops
-            and self.norm_fn is rms_norm
-            and cpu_fused_ops.supports(x)
+            self.norm_fn is rms_norm
             and x.dtype == self.weight.dtype
             and (residual is None or residual.dtype == x.dtype)
         ):
-            out, summed = cpu_fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
-            return out if residual is None else (out, summed)
+            if self.use_cpu_fused_ops and cpu_fused_ops.supports(x):
+                out, summed = cpu_fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
+                return out if residual is None else (out, summed)
+            if self.use_triton_fused_ops and not torch.compiler.is_compiling():
+                from sgl_kernel import fused_elementwise  # triton: loaded where it is used
+
+                out, summed = fused_elementwise.add_rms_norm(x, residual, self.weight, self.eps)
+                return out if residual is None else (out, summed)
         if residual is None:
             return self._norm(x)
         summed = x + residual

@@ -147,6 +147,8 @@ class RotaryEmbedding(nn.Module):
         self._last: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
         # Set by the model runner once the CPU fused kernels are built (cpu_fused_ops.py).
         self.use_cpu_fused_ops = False
+        # Set by the model runner on CUDA: the Triton kernel (sgl_kernel.fused_elementwise).
+        self.use_triton_fused_ops = False
 
     def _cache_on(self, device: torch.device) -> torch.Tensor:
         if self._cos_sin.device != device:
@@ -202,9 +204,15 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ``[T, n*D]`` (any number of heads, e.g. q and k side by side) in one
         pass; returns a new tensor. Same precondition as :meth:`forward`."""
-        if self.use_cpu_fused_ops and cpu_fused_ops.supports(x) and positions.dtype == torch.int64:
-            table = self._cache_on(x.device)
-            return cpu_fused_ops.rope(x, positions, table, self.head_dim, self.rotary_dim)
+        if positions.dtype == torch.int64:
+            if self.use_cpu_fused_ops and cpu_fused_ops.supports(x):
+                table = self._cache_on(x.device)
+                return cpu_fused_ops.rope(x, positions, table, self.head_dim, self.rotary_dim)
+            if self.use_triton_fused_ops and not torch.compiler.is_compiling():
+                from sgl_kernel import fused_elementwise  # triton: loaded where it is used
+
+                table = self._cache_on(x.device)
+                return fused_elementwise.rope(x, positions, table, self.head_dim, self.rotary_dim)
         cos, sin = self._cos_sin_at(positions)
         return self._rotate(x, cos, sin)
 

@@ -127,6 +127,7 @@ class ModelRunner:
             # mid-serving.
             self.attn_backend.enable_cpu_decode_kernel()
         self._enable_cpu_fused_ops()
+        self._enable_cuda_fused_ops()
         logsumexp = get_logsumexp(server_args.sampling_backend)
         for module in self.model.modules():
             if isinstance(module, LogitsProcessor):
@@ -273,6 +274,23 @@ class ModelRunner:
             limit / 2**30,
         )
         return FreedMemoryCap(limit)
+
+    def _enable_cuda_fused_ops(self) -> None:
+        """On CUDA, switch the model's norms, activations and rotary embeddings to the fused
+        Triton kernels (sgl_kernel.fused_elementwise); not in deterministic mode (its own
+        norm) nor with --disable-cuda-fused-ops."""
+        args = self.server_args
+        if (
+            torch.device(self.device).type != "cuda"
+            or args.disable_cuda_fused_ops
+            or args.enable_deterministic_inference
+        ):
+            return
+        fused = (RMSNorm, SiluAndMul, RotaryEmbedding)
+        modules = [m for m in self.model.modules() if isinstance(m, fused)]
+        for module in modules:
+            module.use_triton_fused_ops = True
+        logger.info("CUDA fused elementwise kernels (Triton): %d modules", len(modules))
 
     def _enable_cpu_fused_ops(self) -> None:
         """On CPU, build the fused elementwise kernels (cpu_fused_ops.py) now, not mid-serving,

@@ -1,0 +1,108 @@
+"""The fused Triton elementwise kernels (sgl_kernel.fused_elementwise; CUDA, here in Triton's
+interpreter on CPU) against the torch ops they replace, and a model run with them on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from model_test_utils import TEST_DEVICE, make_runner
+
+from sgl_kernel import fused_elementwise as fe
+from sglang.srt.layers.activation import SiluAndMul
+from sglang.srt.layers.layernorm import RMSNorm, rms_norm
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding, get_rope
+
+DTYPES = [torch.float32, torch.bfloat16]
+INTERPRETED = TEST_DEVICE == "cpu"  # Triton's interpreter (conftest sets it without CUDA)
+
+
+def _rand(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * 2).to(dtype).to(TEST_DEVICE)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, exact_fp32: bool = False) -> None:
+    """float32: bit for bit where the kernel rounds as torch does (``exact_fp32``), else within
+    the last bit of a sum of squares or an ``exp`` taken another way (~1e-6 relative).
+    bfloat16 on a GPU: nearly always bit for bit, within a rounding. Triton's CPU interpreter
+    rounds float32 to bfloat16 toward zero (not to nearest), so there only the values are
+    checked, within a few roundings."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype == torch.float32:
+        if exact_fp32:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    elif INTERPRETED:
+        torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+    else:
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1.6e-2)
+        assert (got == want).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96, 576])
+def test_add_rms_norm_equals_the_torch_ops(dtype: torch.dtype, hidden: int) -> None:
+    x, res = _rand(7, hidden, dtype=dtype), _rand(7, hidden, dtype=dtype, seed=1)
+    weight = _rand(hidden, dtype=dtype, seed=2)
+    out, summed = fe.add_rms_norm(x, res, weight, 1e-5)
+    _close(summed, x + res, exact_fp32=True)  # the add rounds in the input dtype, as torch's
+    _close(out, rms_norm(x + res, weight, 1e-5))
+    alone, _ = fe.add_rms_norm(x, None, weight, 1e-5)
+    _close(alone, rms_norm(x, weight, 1e-5))
+    # Heads as rows (q/k norms), from a non-contiguous slice.
+    qk = _rand(5, 3 * hidden, dtype=dtype, seed=3)[:, :hidden].reshape(5, 2, hidden // 2)
+    head_weight = weight[: hidden // 2].contiguous()
+    _close(fe.add_rms_norm(qk, None, head_weight, 1e-6)[0], rms_norm(qk, head_weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("head_dim", "rotary_dim", "heads"), [(64, 64, 12), (128, 64, 3), (32, 32, 1)]
+)
+def test_rope_equals_the_torch_ops(
+    dtype: torch.dtype, head_dim: int, rotary_dim: int, heads: int
+) -> None:
+    rope = get_rope(head_dim, 10000.0, 512, None, rotary_dim / head_dim)
+    assert isinstance(rope, RotaryEmbedding) and rope.rotary_dim == rotary_dim
+    x = _rand(9, heads * head_dim, dtype=dtype)
+    positions = torch.tensor([0, 1, 5, 17, 100, 511, 3, 3, 42], device=TEST_DEVICE)
+    want = rope.rotate(positions, x)
+    got = fe.rope(x, positions, rope._cache_on(x.device), head_dim, rotary_dim)
+    _close(got, want, exact_fp32=True)  # no fused multiply-adds: the torch ops' roundings
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 1536, 3000])
+def test_silu_and_mul_equals_the_torch_ops(dtype: torch.dtype, d: int) -> None:
+    x = _rand(4, 2 * d, dtype=dtype)
+    _close(fe.silu_and_mul(x), F.silu(x[:, :d]) * x[:, d:])
+    assert fe.silu_and_mul(x[:0]).shape == (0, d)
+
+
+def test_model_with_fused_ops_matches_the_torch_ops(tiny_model_dir: Callable[..., Path]) -> None:
+    """Prefill and decode logits of the tiny model (qwen3: q/k norms, and partial rotary on
+    llama) with the kernels switched on equal those of the torch ops."""
+    from model_test_utils import RUNNER_SLOTS, BatchBuilder
+
+    for path in (tiny_model_dir("qwen3"), tiny_model_dir(partial_rotary_factor=0.5)):
+        outs = []
+        for fused in (False, True):
+            runner = make_runner(path, disable_cpu_fused_ops=True)
+            modules = [
+                m
+                for m in runner.model.modules()
+                if isinstance(m, (RMSNorm, SiluAndMul, RotaryEmbedding))
+            ]
+            for m in modules:
+                m.use_triton_fused_ops = fused
+            builder = BatchBuilder(runner.model.config, num_slots=RUNNER_SLOTS - 1, max_reqs=4)
+            first = runner.forward(builder.extend([("a", [3, 9, 27, 81]), ("b", [5, 7])]))
+            second = runner.forward(builder.decode([("a", 11), ("b", 13)]))
+            outs.append((first.next_token_logits, second.next_token_logits))
+        for want, got in zip(outs[0], outs[1]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

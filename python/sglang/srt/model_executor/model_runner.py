@@ -40,7 +40,11 @@ from sglang.srt.layers.sampler import get_logsumexp
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.cpu_torch_compile import CompiledDecoderLayers, warm_up
-from sglang.srt.model_executor.cuda_graph_runner import DecodeGraphRunner
+from sglang.srt.model_executor.cuda_graph_runner import (
+    DecodeGraphRunner,
+    cuda_graph_off_reason,
+    cuda_graph_reserve_bytes,
+)
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.warmup import warm_up_cpu_memory
 from sglang.srt.model_loader import get_model
@@ -56,12 +60,6 @@ logger = logging.getLogger(__name__)
 _DEFAULT_CPU_KV_FRACTION = 0.2
 _DEFAULT_CUDA_MEM_FRACTION = 0.85
 _MAX_DEFAULT_RUNNING_REQUESTS = 256
-# Memory the CUDA graphs take beyond their activations, held back from the KV pool with the
-# activation estimate: a fixed part (cuBLAS workspaces, kernel modules) and a part per graph
-# and decoder layer (the graphs' nodes). Measured on an H100 with SmolLM2-135M (30 layers, 35
-# batch sizes): 1,090 MiB in all, about 1 MiB per graph and layer.
-_CUDA_GRAPH_FIXED_RESERVE = 256 << 20
-_CUDA_GRAPH_RESERVE_PER_LAYER = 1 << 20
 
 
 class ModelRunner:
@@ -81,7 +79,11 @@ class ModelRunner:
         # Parameter shapes while the weights are released (release_weights), by name.
         self._released_shapes: dict[str, torch.Size] = {}
         # Device memory held back from the KV pool for the CUDA graphs (0 without them).
-        self._graph_reserve = self._cuda_graph_reserve_bytes()
+        self._graph_reserve = 0
+        if cuda_graph_off_reason(server_args, self.tp_size) is None:
+            self._graph_reserve = cuda_graph_reserve_bytes(
+                server_args, model_config, _MAX_DEFAULT_RUNNING_REQUESTS
+            )
         # Decode replayed from CUDA graphs (docs/cuda_graph.md), set up last; None: eager.
         self.graph_runner: DecodeGraphRunner | None = None
         # Identical on every rank (the minimum), and so is everything derived from it.
@@ -162,43 +164,10 @@ class ModelRunner:
                     (self.graph_runner.graph_memory_bytes - self._graph_reserve) / 2**20,
                 )
 
-    def _cuda_graph_off_reason(self) -> str | None:
-        """Why decode runs eagerly on this runner; None when it replays CUDA graphs."""
-        args = self.server_args
-        if torch.device(self.device).type != "cuda":
-            return "not a CUDA device"
-        if args.disable_cuda_graph:
-            return "--disable-cuda-graph"
-        if args.attention_backend != "triton":
-            # Its decode reads host-side lengths, which a replay cannot change.
-            return f"the {args.attention_backend} attention backend is not graph-safe (use triton)"
-        if self.tp_size > 1:
-            return "tensor parallelism (its all-reduces are not captured)"
-        return None
-
-    def _cuda_graph_reserve_bytes(self) -> int:
-        """An upper estimate of the graphs' memory, taken before the KV pool is sized: the
-        activations and logits of the largest captured batch, the graphs themselves and a
-        fixed margin."""
-        if self._cuda_graph_off_reason() is not None:
-            return 0
-        args = self.server_args
-        cfg = self.model_config
-        text = cfg.hf_config.get_text_config()
-        sizes = args.cuda_graph_batch_sizes(
-            args.max_running_requests or _MAX_DEFAULT_RUNNING_REQUESTS
-        )
-        elt = torch.tensor([], dtype=self.dtype).element_size()
-        intermediate = getattr(text, "intermediate_size", 4 * cfg.hidden_size)
-        qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
-        per_row = cfg.vocab_size * (elt + 4) + (3 * intermediate + 8 * cfg.hidden_size + qkv) * elt
-        per_graph = cfg.num_hidden_layers * _CUDA_GRAPH_RESERVE_PER_LAYER
-        return sizes[-1] * per_row + len(sizes) * per_graph + _CUDA_GRAPH_FIXED_RESERVE
-
     def _init_cuda_graphs(self) -> DecodeGraphRunner | None:
         """The decode graph runner, or None where decode stays eager (the reason logged on
         CUDA)."""
-        reason = self._cuda_graph_off_reason()
+        reason = cuda_graph_off_reason(self.server_args, self.tp_size)
         if reason is not None:
             if torch.device(self.device).type == "cuda":
                 logger.info("CUDA graphs off: %s; decode runs eagerly", reason)

@@ -83,13 +83,17 @@ def test_add_rms_norm_any_leading_shape() -> None:
 
 @DTYPES
 @pytest.mark.parametrize("rows", [1, 64, 700])
-def test_silu_and_mul_matches_torch(dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize("d", [768, 45])
+def test_silu_and_mul_matches_torch(dtype: torch.dtype, rows: int, d: int) -> None:
+    """d = 45: on AVX-512 hosts the first 32 columns take the 16-lane path, the rest the
+    scalar one."""
     torch.manual_seed(rows)
-    x = wide_rows(rows, 2 * 768, dtype, 4.0)
+    x = wide_rows(rows, 2 * d, dtype, 4.0)
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamped range, and zero
+    x[0, 40:44] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # the same in the scalar tail
     got = cpu_fused_ops.silu_and_mul(x)
-    expected = F.silu(x[:, :768]) * x[:, 768:]
-    assert got.shape == (rows, 768)
+    expected = F.silu(x[:, :d]) * x[:, d:]
+    assert got.shape == (rows, d)
     if dtype == torch.float32:
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-30)
     else:

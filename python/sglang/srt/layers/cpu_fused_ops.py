@@ -15,14 +15,16 @@ rounding points:
   to the dtype. The sum of squares is accumulated in 16 float32 lanes (torch's order differs,
   so the last bit of the statistics may too).
 - :func:`silu_and_mul`: ``dtype(silu(g)) * u``, ``silu(g) = g / (1 + exp(-g))`` with an exp
-  polynomial of relative error < 2e-7 (torch's differs in the last bit at times).
+  polynomial of relative error < 2e-7 (torch's differs in the last bit at times); on AVX-512
+  hosts the division is the CPU's reciprocal estimate refined by a Newton step (within 2 ulp).
 - :func:`rope`: ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin`` in float32, rounded once:
   bitwise equal to :class:`~sglang.srt.layers.rotary_embedding.RotaryEmbedding`'s torch ops
   (built without FMA contraction for that).
 - :func:`store_kv`: the rows of k and v copied to their slots.
 
 Plain loops that the compiler vectorises for the host's own vector width (AVX2 or AVX-512;
-``-O3 -march=native``), so the kernels serve every x86-64/aarch64 Linux host. Built at model
+``-O3 -march=native``), so the kernels serve every x86-64/aarch64 Linux host; SiLU-and-mul
+also has a 16-lane path for AVX-512 hosts. Built at model
 load (:class:`~sglang.srt.layers.cpu_extension.CpuKernel`); where the build fails,
 :func:`load_kernel` returns False and the torch ops stay.
 """

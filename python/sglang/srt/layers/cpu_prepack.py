@@ -49,8 +49,8 @@ from sglang.srt.layers.linear import linear
 _ROWS_HINT = 64
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Input rows up to which the small-batch kernel (layers/cpu_gemv.py, when built) replaces the
-# packed product: on SmolLM2's layers 1.2-1.3x faster in float32 and 1.3-1.4x in bfloat16 at
-# 1-4 rows on an Emerald Rapids host (oneDNN's bfloat16 product there uses AMX).
+# packed product: on SmolLM2's layers at 1-4 rows on an Emerald Rapids host, 1.3-1.4x oneDNN's
+# bfloat16 product (AMX there) and 0.97-1.08x the float32 brgemm kernel.
 SMALL_BATCH_ROWS = 4
 
 

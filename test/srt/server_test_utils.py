@@ -11,10 +11,20 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 180.0
 _PORT_ATTEMPTS = 3
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` runs: a zombie (exited, not yet reaped) or a vanished pid is not
+    alive, and a process that exits while it is being looked at counts as gone."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def free_port() -> int:

@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 from engine_test_utils import MAX_NEW, engine_state, wait_for
+from server_test_utils import process_alive
 
 import sglang as sgl
 
@@ -186,7 +187,7 @@ def test_dead_scheduler_and_shutdown(tiny_model_dir) -> None:
         assert time.monotonic() - start < 1
     finally:
         eng.shutdown()
-    assert not any(map(_is_alive, pids))
+    assert not any(map(process_alive, pids))
     assert _child_pids() <= before
     with pytest.raises(RuntimeError, match="shut down"):
         eng.get_server_info()
@@ -222,11 +223,4 @@ def test_children_exit_when_the_launcher_is_killed(tiny_model_dir) -> None:
     finally:
         launcher.kill()  # SIGKILL: no atexit, no shutdown()
         launcher.wait(10)
-    wait_for(lambda: not any(map(_is_alive, pids)), timeout=10)
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+    wait_for(lambda: not any(map(process_alive, pids)), timeout=10)

@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 from engine_test_utils import MAX_NEW, assert_kv_all_back, post, wait_for
-from server_test_utils import REPO_ROOT, ServerProcess, free_port
+from server_test_utils import REPO_ROOT, ServerProcess, free_port, process_alive
 
 KV_TOKENS = "20000"
 
@@ -136,8 +136,7 @@ def test_two_nodes_serve_and_a_killed_rank_stops_both(
         # Node 1's launcher exits non-zero; node 0's engine processes all stop.
         assert follower.proc.wait(15) != 0
         assert "TP rank 1 (exit code -9) exited" in follower.output()
-        wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-                                 for p in engine_procs), timeout=15)
+        wait_for(lambda: not any(process_alive(p.pid) for p in engine_procs), timeout=15)
         r = httpx.get(server.url + "/health", timeout=10)
         assert r.status_code == 503
         r = post(server, "/generate", body)

@@ -2,20 +2,25 @@
 
 Each kernel module hands its C++ source to :func:`build_cpu_extension`, which compiles it with
 ``torch.utils.cpp_extension.load_inline`` (``-O3 -march=native``) on first use and caches it in
-torch's extensions directory under a name that includes a hash of the source and of the CPU's
-feature flags, so a cache shared by different hosts never hands one a binary built for
-another's instruction set. Where a kernel cannot be built (not Linux on x86-64/aarch64, no
-compiler, a failed build) it logs a warning once and returns None; the caller keeps its torch
-fallback.
+torch's extensions directory (``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), in a
+folder per Python and torch version, under a name that includes a hash of the source and of
+the CPU's feature flags: a cache shared by different hosts never hands one a binary built for
+another's instruction set, nor one built against another torch. Where a kernel cannot be built
+(not Linux on x86-64/aarch64, no compiler, a failed build) it logs a warning once and returns
+None; the caller keeps its torch fallback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
+import os
 import platform
+import sys
 import time
+from collections.abc import Iterator
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
@@ -173,19 +178,60 @@ def build_cpu_extension(
             flags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
             key = "\n".join([declaration, source, *flags])
             source_hash = hashlib.sha256(key.encode()).hexdigest()[:12]
-            module = load_inline(
-                name=f"{name}_{source_hash}_{_cpu_flags_hash()}",
-                cpp_sources=[declaration, source],
-                functions=functions,
-                extra_cflags=flags,
-                extra_ldflags=["-fopenmp"],
-            )
+            full_name = f"{name}_{source_hash}_{_cpu_flags_hash()}"
+            build_dir = _build_directory(full_name)
+            with _exclusive_build(build_dir, what):
+                module = load_inline(
+                    name=full_name,
+                    cpp_sources=[declaration, source],
+                    functions=functions,
+                    extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=build_dir,
+                )
         except Exception as exc:  # any build or load failure: keep the torch fallback
             logger.warning("%s could not be built (%s); using the torch fallback", what, exc)
         else:
             logger.info("built %s in %.1f s", what, time.perf_counter() - start)
     _built[name] = module
     return module
+
+
+def _build_directory(full_name: str) -> str:
+    """The folder (created) where ``full_name`` is built: under torch's extensions root, one
+    folder per Python and torch version (torch's own default is per Python version only)."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    version = f"sglang_py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
+    path = os.path.join(root, version, full_name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def _exclusive_build(build_dir: str, what: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``build_dir`` while torch builds or loads there.
+
+    torch guards a build with a ``lock`` file that only the builder removes: a build killed
+    midway (Ctrl-C or SIGKILL during a first start) leaves it, and every later start would wait
+    on it forever. An flock ends with its holder, so under it a ``lock`` file can only be such
+    a leftover, and is removed. Another process building the same kernel is waited for (logged).
+    """
+    import fcntl  # POSIX only; the kernels are built on Linux only (platform_supported)
+
+    with open(os.path.join(build_dir, "sglang_build.flock"), "a") as holder:
+        try:
+            fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("%s: waiting for another process building it in %s", what, build_dir)
+            fcntl.flock(holder, fcntl.LOCK_EX)
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            logger.warning("%s: removing %s, left by a build that was stopped", what, stale)
+            os.remove(stale)
+        yield  # the flock ends when the file closes
 
 
 class CpuKernel:

@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -21,11 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 import zmq
 from engine_test_utils import MAX_NEW, assert_kv_all_back, engine_state, wait_for
-from server_test_utils import REPO_ROOT, ServerProcess
+from server_test_utils import REPO_ROOT, ServerProcess, process_alive
 
 import sglang.srt.managers.tokenizer_manager as tm_module
 from sglang.srt.managers.io_struct import BatchStrOutput, GenerateReqInput
@@ -152,7 +152,12 @@ def test_health_answers_during_the_biggest_logprob_reply(
             worst = max(worst, time.monotonic() - start)
             time.sleep(0.05)
         thread.join()
+        log = server.log_path.read_text(errors="replace")
     print(f"max /health latency during the reply: {worst:.3f} s")
+    # Both processes took their start-up objects out of garbage collection, whose full
+    # collections this reply would otherwise make walk them several times over.
+    assert re.search(r"HTTP server: \d+ start-up objects frozen", log), log[-3000:]
+    assert re.search(r"Scheduler[^\n]*: \d+ start-up objects frozen", log), log[-3000:]
     assert results["r"].status_code == 200, results["r"].text[:500]
     meta = results["r"].json()["meta_info"]
     top = meta["input_top_logprobs"]
@@ -181,13 +186,6 @@ print(json.dumps({"ipc": ipc, "children": [p.pid for p in engine._procs],
 if mode != "exit":
     time.sleep(300)
 """
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @pytest.mark.parametrize("mode", ["sigterm", "own-handler", "exit"])
@@ -232,7 +230,7 @@ def test_engine_process_leaves_no_ipc_dir_nor_children(
     assert not Path(info["ipc"]).exists()
     assert [p for p in tmp_path.iterdir() if p.name.startswith("sglang-")] == []
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in info["children"]):  # reaped by init after the parent
+    while any(process_alive(pid) for pid in info["children"]):  # reaped by init after the parent
         assert time.monotonic() < deadline, "a child process outlived the engine"
         time.sleep(0.1)
 
@@ -241,7 +239,7 @@ def test_big_logprob_outputs_keep_their_order_and_the_loop_free(
     tiny_model_dir: Callable[..., Path],
 ) -> None:
     # Without processes: outputs pushed straight to the TokenizerManager's socket. A big one
-    # (its rows built in a worker thread) and the small final one behind it are applied in
+    # (its rows built a slice at a time) and the small final one behind it are applied in
     # order, and the loop keeps turning meanwhile.
     model = tiny_model_dir("llama", max_position_embeddings=LONG_CONTEXT)
     info = {"context_length": LONG_CONTEXT, "vocab_size": 512, "max_req_input_len": 4000}
@@ -322,6 +320,12 @@ def test_big_logprob_outputs_keep_their_order_and_the_loop_free(
     assert [[t for _, t, _ in pos] for pos in tops] == out_idxs
     decode = tm.tokenizer.decode
     assert all(text == decode([t]) for _, t, text in tops[1][:20])
-    assert len(meta["input_top_logprobs"]) == num_prompt
-    assert [t for _, t, _ in meta["input_top_logprobs"][-1]] == in_idxs[-1]
+    # The slices join up: every position's rows, in order, the first prompt token's None.
+    input_top = meta["input_top_logprobs"]
+    assert len(input_top) == num_prompt and input_top[0] is None
+    assert [[t for _, t, _ in pos] for pos in input_top[1:]] == in_idxs
+    assert [[v for v, _, _ in pos] for pos in input_top[1:]] == in_vals
+    assert all(text == decode([t]) for _, t, text in input_top[-1])
+    input_rows = meta["input_token_logprobs"]
+    assert len(input_rows) == num_prompt and input_rows[0][0] is None
     assert worst < 1.0, f"the loop stalled {worst:.2f} s"

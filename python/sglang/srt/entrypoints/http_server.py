@@ -64,6 +64,7 @@ from sglang.srt.managers.tokenizer_manager_protocol import (
 from sglang.srt.metrics import NoMetrics, ServerMetrics
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils import configure_logger, kill_process_tree
+from sglang.srt.utils.gc_freeze import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -412,6 +413,7 @@ async def _announce_when_ready(app: FastAPI) -> None:
             state.failed = True
             server.should_exit = True
             return
+    freeze_startup_heap("HTTP server")
     state.ready = True
     logger.info("The server is ready at %s", state.server_args.url())
 

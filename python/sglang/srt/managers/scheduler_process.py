@@ -48,6 +48,7 @@ from sglang.srt.managers.weight_state import WeightState
 from sglang.srt.mem_cache import create_prefix_cache
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils import configure_logger, dumps, get_zmq_socket, loads
+from sglang.srt.utils.gc_freeze import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -276,6 +277,7 @@ def run_scheduler_process(
             publish_start_failure(dist_init_method, tp_rank, message)
         pipe_writer.send({"status": "error", "message": message})
         return  # exiting closes this rank's connections: its peers' collectives fail at once
+    freeze_startup_heap(f"Scheduler {label}".rstrip())
     pipe_writer.send(process.ready_info())
     try:
         process.event_loop()

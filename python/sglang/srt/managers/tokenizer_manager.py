@@ -73,7 +73,11 @@ from sglang.srt.managers.request_validation import (
     tokenize_texts,
     validate_request,
 )
-from sglang.srt.managers.tokenizer_req_state import ReqState, logprob_entries
+from sglang.srt.managers.tokenizer_req_state import (
+    ReqState,
+    logprob_entries,
+    logprob_rows_in_slices,
+)
 from sglang.srt.managers.weights_update_group import WeightsUpdateGroups
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils import TypeBasedDispatcher, dumps, loads
@@ -93,10 +97,15 @@ _WATCH_INTERVAL_S = 0.5
 # finished locally after this grace period (its final output may be in flight meanwhile).
 _ABORT_GRACE_S = 1.0
 # Outputs bigger than these (pickled bytes; logprob entries, see ``logprob_entries``) are
-# unpickled / turned into logprob rows in a worker thread: inline, the biggest allowed (a
-# context-length prompt with 128 top logprobs per position) would block the loop for seconds.
+# unpickled in a worker thread / turned into logprob rows a slice at a time: in one go, the
+# biggest allowed (a context-length prompt with 128 top logprobs per position) would hold the
+# loop for a second or more.
 _OFFLOAD_MESSAGE_BYTES = 1 << 20
 _OFFLOAD_LOGPROB_ENTRIES = 16384
+# Logprob entries built per slice (a few ms); the loop runs its other work between slices.
+# Not a worker thread: one that builds Python rows holds the GIL, and the loop then waits for
+# it at every switch interval of every step of a request (a /health reply took ~1 s).
+_ROW_SLICE_ENTRIES = 2048
 
 
 class ServerStatus(Enum):
@@ -140,6 +149,9 @@ class TokenizerManager:
             if server_args.skip_tokenizer_init
             else get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
         )
+        # Token id -> its text alone, for logprob entries: filled as ids are first asked for,
+        # so it holds at most one string per vocabulary entry.
+        self._token_texts: dict[int, str] = {}
         self.rid_to_state: dict[str, ReqState] = {}
         self._pending_controls: dict[str, asyncio.Future] = {}
         self._abort_targets: dict[str, list[ReqState]] = {}
@@ -657,8 +669,9 @@ class TokenizerManager:
     # ---- receiving ---------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
         """Handle the messages one after the other, in arrival order. A big one is unpickled
-        and turned into logprob rows in a worker thread, awaited here: the loop (``/health``,
-        other callers) keeps running meanwhile and later messages still wait their turn."""
+        in a worker thread and its logprob rows are built a slice at a time, awaited here: the
+        loop (``/health``, other callers) keeps running meanwhile and later messages still
+        wait their turn."""
         sock = self._recv_socket
         assert sock is not None, "started before receiving"
         while True:
@@ -679,23 +692,19 @@ class TokenizerManager:
                 logger.exception("Failed to handle a message from the scheduler/detokenizer")
 
     async def _handle_big_batch_str_output(self, msg: BatchStrOutput) -> None:
-        """:meth:`_handle_batch_str_output` with the logprob rows built in a worker thread."""
-        states = {
-            i: state
-            for i, rid in enumerate(msg.rids)
-            if (state := self.rid_to_state.get(rid)) is not None and not state.finished
-        }
-
-        def build() -> dict[int, tuple[ReqState, dict[str, list] | Exception]]:
-            built: dict[int, tuple[ReqState, dict[str, list] | Exception]] = {}
-            for i, state in states.items():
-                try:
-                    built[i] = (state, state.logprob_rows(msg, i))
-                except Exception as e:  # fails this request alone, on the loop
-                    built[i] = (state, e)
-            return built
-
-        self._handle_batch_str_output(msg, await asyncio.to_thread(build))
+        """:meth:`_handle_batch_str_output` with the logprob rows built beforehand, a slice of
+        about ``_ROW_SLICE_ENTRIES`` entries at a time with the loop's other work in between.
+        A request aborted meanwhile is skipped when the rows are applied."""
+        built: dict[int, tuple[ReqState, dict[str, list] | Exception]] = {}
+        for i, rid in enumerate(msg.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None or state.finished:
+                continue
+            try:
+                built[i] = (state, await logprob_rows_in_slices(state, msg, i, _ROW_SLICE_ENTRIES))
+            except Exception as e:  # fails this request alone, when applied
+                built[i] = (state, e)
+        self._handle_batch_str_output(msg, built)
 
     def _handle_batch_str_output(
         self,
@@ -811,11 +820,14 @@ class TokenizerManager:
         """A function ids -> texts for logprob entries, or None when texts are not asked."""
         if not enabled or self.tokenizer is None:
             return None
-        tokenizer = self.tokenizer
+        return self._token_texts_of
 
-        def decode(ids: list[int]) -> list[str]:
-            unique = list(dict.fromkeys(ids))  # top logprobs repeat ids: decode each once
-            texts = dict(zip(unique, tokenizer.batch_decode([[i] for i in unique])))
-            return [texts[i] for i in ids]
-
-        return decode
+    def _token_texts_of(self, ids: list[int]) -> list[str]:
+        """The text of each token id decoded alone. Top logprobs repeat ids across positions
+        and replies: each id is decoded once and its text kept (``_token_texts``)."""
+        texts = self._token_texts
+        missing = [i for i in dict.fromkeys(ids) if i not in texts]
+        if missing:
+            assert self.tokenizer is not None, "texts asked for without a tokenizer"
+            texts.update(zip(missing, self.tokenizer.batch_decode([[i] for i in missing])))
+        return list(map(texts.__getitem__, ids))

@@ -79,7 +79,7 @@ class ReqState:
 
     def apply(self, msg: BatchStrOutput, i: int, rows: dict[str, list] | None = None) -> None:
         """Add entry ``i`` of ``msg`` (this rid's increment) to the totals. ``rows``: its
-        :meth:`logprob_rows`, when already built (in a worker thread, for a big payload)."""
+        :meth:`logprob_rows`, when already built (in slices, for a big payload)."""
         if rows is None:
             rows = self.logprob_rows(msg, i)
         self.text += msg.output_strs[i]
@@ -124,26 +124,30 @@ class ReqState:
         self.dirty = True
 
     def logprob_rows(self, msg: BatchStrOutput, i: int) -> dict[str, list]:
-        """The logprob rows of entry ``i`` of ``msg``, by output key (see :meth:`_rows`).
+        """The logprob rows of entry ``i`` of ``msg``, by output key (see :meth:`rows`)."""
+        return {key: self.rows(key, vals, idxs) for key, vals, idxs in self.logprob_parts(msg, i)}
 
-        Reads only ``msg`` and settings fixed at creation, and changes nothing: it may run in
-        a worker thread while the owning loop goes on (the TokenizerManager does so for big
-        payloads, where building rows takes seconds).
-        """
-        rows: dict[str, list] = {}
+    def logprob_parts(self, msg: BatchStrOutput, i: int) -> list[tuple[str, list, list]]:
+        """``(key, values, ids)`` of each logprob list of entry ``i`` of ``msg`` that this
+        request asked for and that has positions; :meth:`rows` turns them into rows."""
         if not self.return_logprob:
-            return rows
+            return []
+        parts = []
         for key in _LOGPROB_KEYS:
             if key.endswith("top_logprobs") and self.top_logprobs_num <= 0:
                 continue
             vals, idxs = getattr(msg, key + "_val"), getattr(msg, key + "_idx")
             if vals is not None and vals[i]:
-                rows[key] = self._rows(key, vals[i], idxs[i])
-        return rows
+                parts.append((key, vals[i], idxs[i]))
+        return parts
 
-    def _rows(self, key: str, vals: list, idxs: list) -> list:
+    def rows(self, key: str, vals: list, idxs: list) -> list:
         """``[[logprob, id, text], ...]`` rows, or for top logprobs one list of rows per
-        position (a position without entries, such as the first prompt token, stays None)."""
+        position (a position without entries, such as the first prompt token, stays None).
+
+        Reads only its arguments and settings fixed at creation: the rows of a slice of
+        positions are that slice of the rows, so a caller may build a long list in parts.
+        """
         if not key.endswith("top_logprobs"):
             return list(map(list, zip(vals, idxs, self._texts(idxs))))
         flat_ids = [t for pos_idxs in idxs if pos_idxs for t in pos_idxs]
@@ -207,3 +211,21 @@ def logprob_entries(msg: BatchStrOutput) -> int:
             else:
                 total += len(per_rid)
     return total
+
+
+async def logprob_rows_in_slices(
+    state: ReqState, msg: BatchStrOutput, i: int, slice_entries: int
+) -> dict[str, list]:
+    """``state.logprob_rows(msg, i)``, built about ``slice_entries`` logprob entries at a time
+    with a return to the event loop after each slice, so that the loop's other work (such as
+    ``/health``) waits for one slice, not for the whole build."""
+    rows: dict[str, list] = {}
+    for key, vals, idxs in state.logprob_parts(msg, i):
+        per_position = max(1, state.top_logprobs_num) if key.endswith("top_logprobs") else 1
+        step = max(1, slice_entries // per_position)
+        built: list = []
+        for start in range(0, len(vals), step):
+            built += state.rows(key, vals[start : start + step], idxs[start : start + step])
+            await asyncio.sleep(0)
+        rows[key] = built
+    return rows

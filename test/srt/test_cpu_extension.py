@@ -7,12 +7,17 @@ import fcntl
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 from server_test_utils import REPO_ROOT
 
-from sglang.srt.layers.cpu_extension import _exclusive_build, platform_supported
+from sglang.srt.layers.cpu_extension import (
+    _exclusive_build,
+    load_side_by_side,
+    platform_supported,
+)
 
 pytestmark = pytest.mark.skipif(
     not platform_supported(),
@@ -71,3 +76,25 @@ def test_the_build_lock_is_exclusive_and_ends_with_its_holder(tmp_path: Path) ->
     (tmp_path / "lock").touch()
     with _exclusive_build(str(tmp_path), "test kernel"):
         assert not (tmp_path / "lock").exists()
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core builds one kernel at a time")
+def test_kernels_load_side_by_side_and_a_failure_is_raised() -> None:
+    # Both loaders must be running at once to pass the barrier (a sequential run times out).
+    barrier = threading.Barrier(2, timeout=30)
+    done: list[str] = []
+
+    def loader(name: str) -> bool:
+        barrier.wait()
+        done.append(name)
+        return True
+
+    load_side_by_side([lambda: loader("a"), lambda: loader("b")])
+    assert sorted(done) == ["a", "b"]
+
+    def broken() -> bool:
+        raise RuntimeError("compiler exploded")
+
+    with pytest.raises(RuntimeError, match="compiler exploded"):
+        load_side_by_side([broken, lambda: True])
+    load_side_by_side([])

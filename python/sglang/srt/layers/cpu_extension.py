@@ -19,8 +19,10 @@ import logging
 import os
 import platform
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
@@ -234,6 +236,19 @@ def _exclusive_build(build_dir: str, what: str) -> Iterator[None]:
         yield  # the flock ends when the file closes
 
 
+def load_side_by_side(loaders: Sequence[Callable[[], object]]) -> None:
+    """Run the kernels' ``load_kernel`` functions on worker threads, one per core, and wait
+    for them all. Each build is a compiler subprocess, so builds overlap: a first start takes
+    about as long as its longest builds rather than all of them in turn. The results stay
+    where each kernel module keeps them."""
+    if not loaders:
+        return
+    workers = max(1, min(len(loaders), os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cpu-kernel-build") as pool:
+        for future in [pool.submit(load) for load in loaders]:
+            future.result()
+
+
 class CpuKernel:
     """One kernel module's extension, built on first :meth:`load` (the model runner calls it at
     model load, not mid-step) and then held. ``needs_avx512``: written with the prelude's
@@ -255,10 +270,15 @@ class CpuKernel:
         self.extra_cflags = extra_cflags
         # The built module once load() succeeded.
         self.module: ModuleType | None = None
+        self._lock = threading.Lock()  # one build at a time (load_side_by_side uses threads)
 
     def load(self) -> bool:
         """Build (or load from torch's extension cache) the extension once per process; True
-        when its functions can be called."""
+        when its functions can be called. Thread-safe."""
+        with self._lock:
+            return self._load()
+
+    def _load(self) -> bool:
         if self.module is None:
             if self.needs_avx512 and not avx512_host():
                 logger.info("%s: this CPU has no AVX-512; using torch", self.what)

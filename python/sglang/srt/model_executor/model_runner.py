@@ -12,6 +12,7 @@ scheduler, taking the same decisions, finds the same slots free.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,10 +22,16 @@ from sglang.srt.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_min,
 )
-from sglang.srt.layers import cpu_brgemm, cpu_fused_ops
+from sglang.srt.layers import (
+    cpu_brgemm,
+    cpu_decode_attention,
+    cpu_extend_attention,
+    cpu_fused_ops,
+)
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.attention import get_attention_backend_class
 from sglang.srt.layers.batch_invariant import enable_batch_invariant_mode
+from sglang.srt.layers.cpu_extension import load_side_by_side
 from sglang.srt.layers.cpu_gemv import load_kernel as load_small_linear_kernel
 from sglang.srt.layers.cpu_prepack import (
     PackedLinear,
@@ -117,16 +124,11 @@ class ModelRunner:
             kernels = "triton" if server_args.attention_backend == "triton" else "torch"
             if not enable_batch_invariant_mode(self.model, kernels):
                 raise RuntimeError("deterministic mode: the model has no switchable linear layer")
+        self._build_cpu_kernels(backend)
         # oneDNN-packed copies of the linear weights (CPU; empty when off), dropped on release.
         self.weight_packers = self._enable_prepack()
         self.attn_backend = get_attention_backend_class(backend)()
-        if (
-            torch.device(self.device).type == "cpu"
-            and backend == "torch_native"
-            and not server_args.disable_cpu_attention_kernel
-        ):
-            # Builds the C++ decode- and prefill-attention kernels now (cached across runs), not
-            # mid-serving.
+        if self._cpu_attention_kernel_wanted(backend):
             self.attn_backend.enable_cpu_decode_kernel()
         self._enable_cpu_fused_ops()
         self._enable_cuda_fused_ops()
@@ -261,15 +263,44 @@ class ModelRunner:
             module.use_triton_fused_ops = True
         logger.info("CUDA fused elementwise kernels (Triton): %d modules", len(modules))
 
+    def _build_cpu_kernels(self, backend: str) -> None:
+        """Build (or load from the cache) the C++ CPU kernels this runner will use, now rather
+        than mid-serving, side by side: a first start then compiles them in about the time of
+        the longest build instead of the sum (20-40 s each on 2 cores). The enabling code
+        below finds them loaded."""
+        loaders: list[Callable[[], bool]] = []
+        if self._cpu_attention_kernel_wanted(backend):
+            # The prefill kernel comes with the decode kernel (enable_cpu_decode_kernel): two
+            # builds in turn, so first in line.
+            loaders.append(
+                lambda: cpu_decode_attention.load_kernel() and cpu_extend_attention.load_kernel()
+            )
+        if self._prepack_wanted():
+            loaders += [load_small_linear_kernel, cpu_brgemm.load_kernel]
+        if self._cpu_fused_ops_wanted():
+            loaders.append(cpu_fused_ops.load_kernel)
+        load_side_by_side(loaders)
+
+    def _cpu_attention_kernel_wanted(self, backend: str) -> bool:
+        """The C++ decode- and prefill-attention kernels serve the ``torch_native`` backend on
+        CPU, unless --disable-cpu-attention-kernel."""
+        return (
+            torch.device(self.device).type == "cpu"
+            and backend == "torch_native"
+            and not self.server_args.disable_cpu_attention_kernel
+        )
+
+    def _cpu_fused_ops_wanted(self) -> bool:
+        """The fused elementwise kernels serve CPU runs unless --disable-cpu-fused-ops."""
+        return (
+            torch.device(self.device).type == "cpu" and not self.server_args.disable_cpu_fused_ops
+        )
+
     def _enable_cpu_fused_ops(self) -> None:
-        """On CPU, build the fused elementwise kernels (cpu_fused_ops.py) now, not mid-serving,
-        and switch the model's norms, activations and rotary embeddings and the KV pool's store
-        to them; unless --disable-cpu-fused-ops (or the build failed: the torch ops stay)."""
-        if (
-            torch.device(self.device).type != "cpu"
-            or self.server_args.disable_cpu_fused_ops
-            or not cpu_fused_ops.load_kernel()
-        ):
+        """On CPU, switch the model's norms, activations and rotary embeddings and the KV pool's
+        store to the fused elementwise kernels (cpu_fused_ops.py); unless
+        --disable-cpu-fused-ops (or the build failed: the torch ops stay)."""
+        if not self._cpu_fused_ops_wanted() or not cpu_fused_ops.load_kernel():
             return
         fused = (RMSNorm, SiluAndMul, RotaryEmbedding)
         modules = [m for m in self.model.modules() if isinstance(m, fused)]
@@ -278,17 +309,23 @@ class ModelRunner:
         self.token_to_kv_pool.use_cpu_fused_ops = True
         logger.info("CPU fused elementwise kernels: %d modules and the KV store", len(modules))
 
+    def _prepack_wanted(self) -> bool:
+        """Packed weight copies (with the small-batch and brgemm kernels) serve CPU runs, not
+        in deterministic mode nor with --disable-cpu-weight-prepack."""
+        args = self.server_args
+        return (
+            torch.device(self.device).type == "cpu"
+            and not args.enable_deterministic_inference
+            and not args.disable_cpu_weight_prepack
+            and prepack_supported()
+        )
+
     def _enable_prepack(self) -> list[PackedLinear]:
         """oneDNN-packed weight copies for the linear layers on CPU (layers/cpu_prepack.py);
         not in deterministic mode, whose batch-invariant product must stay in place."""
-        args = self.server_args
-        if (
-            torch.device(self.device).type != "cpu"
-            or args.enable_deterministic_inference
-            or args.disable_cpu_weight_prepack
-            or not prepack_supported()
-        ):
+        if not self._prepack_wanted():
             return []
+        args = self.server_args
         upcast = self.dtype == torch.bfloat16 and (
             args.cpu_bf16_linear == "fp32"
             or (args.cpu_bf16_linear == "auto" and not native_bf16_supported())

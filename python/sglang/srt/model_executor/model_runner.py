@@ -22,12 +22,7 @@ from sglang.srt.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_min,
 )
-from sglang.srt.layers import (
-    cpu_brgemm,
-    cpu_decode_attention,
-    cpu_extend_attention,
-    cpu_fused_ops,
-)
+from sglang.srt.layers import cpu_brgemm, cpu_fused_ops
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.attention import get_attention_backend_class
 from sglang.srt.layers.batch_invariant import enable_batch_invariant_mode
@@ -124,12 +119,10 @@ class ModelRunner:
             kernels = "triton" if server_args.attention_backend == "triton" else "torch"
             if not enable_batch_invariant_mode(self.model, kernels):
                 raise RuntimeError("deterministic mode: the model has no switchable linear layer")
+        self.attn_backend = get_attention_backend_class(backend)()
         self._build_cpu_kernels(backend)
         # oneDNN-packed copies of the linear weights (CPU; empty when off), dropped on release.
         self.weight_packers = self._enable_prepack()
-        self.attn_backend = get_attention_backend_class(backend)()
-        if self._cpu_attention_kernel_wanted(backend):
-            self.attn_backend.enable_cpu_decode_kernel()
         self._enable_cpu_fused_ops()
         self._enable_cuda_fused_ops()
         logsumexp = get_logsumexp(server_args.sampling_backend)
@@ -266,15 +259,12 @@ class ModelRunner:
     def _build_cpu_kernels(self, backend: str) -> None:
         """Build (or load from the cache) the C++ CPU kernels this runner will use, now rather
         than mid-serving, side by side: a first start then compiles them in about the time of
-        the longest build instead of the sum (20-40 s each on 2 cores). The enabling code
-        below finds them loaded."""
+        the longest build instead of the sum (20-40 s each on 2 cores). The attention backend
+        switches to its kernels here; the packing and fused-op code below finds theirs loaded."""
         loaders: list[Callable[[], bool]] = []
         if self._cpu_attention_kernel_wanted(backend):
-            # The prefill kernel comes with the decode kernel (enable_cpu_decode_kernel): two
-            # builds in turn, so first in line.
-            loaders.append(
-                lambda: cpu_decode_attention.load_kernel() and cpu_extend_attention.load_kernel()
-            )
+            # Decode then prefill attention, two builds in turn: first in line.
+            loaders.append(self.attn_backend.enable_cpu_decode_kernel)
         if self._prepack_wanted():
             loaders += [load_small_linear_kernel, cpu_brgemm.load_kernel]
         if self._cpu_fused_ops_wanted():
@@ -331,10 +321,8 @@ class ModelRunner:
             or (args.cpu_bf16_linear == "auto" and not native_bf16_supported())
         )
         packers = enable_cpu_weight_prepack(self.model, upcast_bf16=upcast)
-        # Built now (cached across runs), not mid-decode; the brgemm kernel before packing,
-        # which then lays float32 copies out for it.
-        load_small_linear_kernel()
-        cpu_brgemm.load_kernel()
+        # The small-batch and brgemm kernels are loaded by now (_build_cpu_kernels): packing
+        # lays float32 copies out for the brgemm kernel where it is there.
         nbytes = pack_now(self.model)
         logger.info(
             "CPU weight prepack: %d linear layers (%d in brgemm column blocks, the rest in "

@@ -1,4 +1,5 @@
-"""Per-layer prefill (EXTEND) attention on CPU: the C++ kernel vs the backend's SDPA loop.
+"""Per-layer prefill (EXTEND) attention on CPU: the C++ kernel vs the backend's SDPA loop, and
+in bfloat16 on an AMX host its brgemm (tile) path vs its ``vdpbf16ps`` path.
 
 Each batch is laid out as the engine lays it out: one layer's K/V pool ``[S, KVH, D]`` with
 SmolLM2-135M's heads (9 query heads, 3 KV heads, head dim 64), every request's tokens in
@@ -12,7 +13,9 @@ ratios hold on a shared host even when absolute times drift::
 
     python benchmark/bench_cpu_extend_attention.py [--repeats 9]
 
-Prints one line per (threads, dtype, batch): SDPA and kernel ms per layer and the ratio.
+Prints one line per (threads, dtype, batch): SDPA and kernel ms per layer and the ratio (the
+kernel as the engine runs it: the tile path where :func:`tiles_supported`); where the tile path
+runs, also the ``vdpbf16ps`` path's ms and its time over the tile path's.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sglang.srt.layers.cpu_extend_attention import extend_attention, load_kernel
+from sglang.srt.layers.cpu_extend_attention import extend_attention, load_kernel, tiles_supported
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 SCALE = HEAD_DIM**-0.5
@@ -108,8 +111,9 @@ def _time_per_layer(fn: Callable[[], None], num_layers: int) -> float:
     return (time.perf_counter() - start) / num_layers * 1e3
 
 
-def bench(batch: Batch, repeats: int) -> tuple[float, float]:
-    """Median ms per layer of (SDPA loop, kernel), interleaved."""
+def bench(batch: Batch, repeats: int) -> tuple[float, float, float | None]:
+    """Median ms per layer of (SDPA loop, kernel, the kernel's vdpbf16ps path where the tile
+    path is the default, else None), interleaved."""
     rows = torch.arange(len(batch.extend_lens))
     prefix_lens, extend_lens = torch.tensor(batch.prefix_lens), torch.tensor(batch.extend_lens)
 
@@ -117,18 +121,23 @@ def bench(batch: Batch, repeats: int) -> tuple[float, float]:
         for layer in batch.layers:
             sdpa_loop(batch, layer)
 
-    def run_kernel() -> None:
+    def run_kernel(tiles: bool | None = None) -> None:
         for q, _, _, k_cache, v_cache in batch.layers:
             extend_attention(
-                q, k_cache, v_cache, batch.req_to_token, rows, prefix_lens, extend_lens, SCALE
+                q, k_cache, v_cache, batch.req_to_token, rows, prefix_lens, extend_lens, SCALE,
+                tiles,
             )
 
-    run_sdpa(), run_kernel()  # warm-up
-    sdpa_ms, kernel_ms = [], []
+    with_dot = batch.layers[0][0].dtype == torch.bfloat16 and tiles_supported()
+    run_sdpa(), run_kernel(), with_dot and run_kernel(False)  # warm-up
+    sdpa_ms, kernel_ms, dot_ms = [], [], []
     for _ in range(repeats):
         sdpa_ms.append(_time_per_layer(run_sdpa, len(batch.layers)))
         kernel_ms.append(_time_per_layer(run_kernel, len(batch.layers)))
-    return statistics.median(sdpa_ms), statistics.median(kernel_ms)
+        if with_dot:
+            dot_ms.append(_time_per_layer(lambda: run_kernel(False), len(batch.layers)))
+    dot = statistics.median(dot_ms) if dot_ms else None
+    return statistics.median(sdpa_ms), statistics.median(kernel_ms), dot
 
 
 def workloads() -> list[tuple[str, list[int], list[int]]]:
@@ -139,6 +148,7 @@ def workloads() -> list[tuple[str, list[int], list[int]]]:
         ("24 x ~200", [0] * 24, mixed),
         ("1 x 2000", [0], [2000]),
         ("4 x 100 after 300", [300] * 4, [100] * 4),
+        ("40 x 20-400", [0] * 40, torch.randint(20, 401, (40,)).tolist()),
     ]
 
 
@@ -152,16 +162,17 @@ def main() -> None:
     torch.manual_seed(0)
     cases = workloads()
     print(f"{'threads':>7} {'dtype':>8} {'batch':>18} {'SDPA ms':>8} {'kernel ms':>9} "
-          f"{'SDPA/kernel':>11}")
+          f"{'SDPA/kernel':>11} {'dot ms':>8} {'dot/kernel':>7}")
     for threads in args.threads:
         torch.set_num_threads(threads)
         for dtype in (torch.float32, torch.bfloat16):
             for name, prefix_lens, extend_lens in cases:
                 batch = make_batch(name, prefix_lens, extend_lens, dtype)
-                sdpa_ms, kernel_ms = bench(batch, args.repeats)
+                sdpa_ms, kernel_ms, dot_ms = bench(batch, args.repeats)
                 dtype_name = str(dtype).removeprefix("torch.")
+                dot = "" if dot_ms is None else f" {dot_ms:>8.2f} {dot_ms / kernel_ms:>6.2f}x"
                 print(f"{threads:>7} {dtype_name:>8} {name:>18} {sdpa_ms:>8.2f} "
-                      f"{kernel_ms:>9.2f} {sdpa_ms / kernel_ms:>10.2f}x", flush=True)
+                      f"{kernel_ms:>9.2f} {sdpa_ms / kernel_ms:>10.2f}x{dot}", flush=True)
 
 
 if __name__ == "__main__":

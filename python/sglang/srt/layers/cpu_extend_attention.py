@@ -64,6 +64,7 @@ import torch
 
 from sglang.srt.layers import cpu_brgemm
 from sglang.srt.layers.cpu_extension import CpuKernel, cpu_flags
+from sglang.srt.layers.cpu_prepack import native_bf16_supported
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -455,6 +456,20 @@ inline void value_tile_bf16(const uint32_t* __restrict pp, const uint32_t* __res
   store_tile<NV>(a, d, Mp, m, acct);
 }
 
+// The V rows of keys [0, 2 * pairs) (at slots[t]; zero_row from nb on) as pairs of keys:
+// vp[j * D + d] = V[2j][d] | V[2j + 1][d] << 16, the B operand of p . V in bfloat16 pairs.
+inline void pack_value_pairs(const uint16_t* vbase, int64_t v_stride, const int64_t* slots,
+                             int64_t nb, int64_t pairs, int64_t D, const uint16_t* zero_row,
+                             uint32_t* __restrict vp) {
+  for (int64_t j = 0; j < pairs; ++j) {
+    const uint16_t* v0 = 2 * j < nb ? vbase + slots[2 * j] * v_stride : zero_row;
+    const uint16_t* v1 = 2 * j + 1 < nb ? vbase + slots[2 * j + 1] * v_stride : zero_row;
+    uint32_t* dst = vp + j * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) dst[d] = v0[d] | (static_cast<uint32_t>(v1[d]) << 16);
+  }
+}
+
 // Scratch floats for one item of up to kQueryRows rows on the bfloat16 path.
 inline int64_t buf_floats_bf16(int64_t G, int64_t D) {
   const int64_t m = padded_rows(kQueryRows, G);
@@ -506,13 +521,7 @@ void attend_item_bf16(const Batch& b, const Item& it, float* __restrict buf) {
   const uint16_t* krow[kKeyBlock + kScoreKeys];
   for (int64_t t0 = 0, nb = (num_keys - 1) % kKeyBlock + 1; t0 < num_keys;
        t0 += nb, nb = kKeyBlock) {
-    for (int64_t j = 0; j < (nb + 1) / 2; ++j) {
-      const uint16_t* v0 = vbase + slots[t0 + 2 * j] * b.v_stride;
-      const uint16_t* v1 = 2 * j + 1 < nb ? vbase + slots[t0 + 2 * j + 1] * b.v_stride : zero_row;
-      uint32_t* dst = vp + j * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) dst[d] = v0[d] | (static_cast<uint32_t>(v1[d]) << 16);
-    }
+    pack_value_pairs(vbase, b.v_stride, slots + t0, nb, (nb + 1) / 2, D, zero_row, vp);
     for (int64_t t = 0; t < nb; ++t) krow[t] = kbase + slots[t0 + t] * b.k_stride;
     const int64_t nb_tiles = (nb + kScoreKeys - 1) / kScoreKeys * kScoreKeys;
     for (int64_t t = nb; t < nb_tiles; ++t) krow[t] = zero_row;
@@ -734,14 +743,7 @@ void attend_item_tiles(const Batch& b, const Item& it, float* __restrict buf) {
     }
     // Keys past nb: zero K and V (their p is 0 too).
     pack_key_pairs(kbase, b.k_stride, slots + t0, nb, D, zero_row, kp32);
-    for (int64_t j = 0; j < kTileKeys / 2; ++j) {
-      const uint16_t* v0 = 2 * j < nb ? vbase + slots[t0 + 2 * j] * b.v_stride : zero_row;
-      const uint16_t* v1 = 2 * j + 1 < nb ? vbase + slots[t0 + 2 * j + 1] * b.v_stride
-                                          : zero_row;
-      uint32_t* dst = vp32 + j * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) dst[d] = v0[d] | (static_cast<uint32_t>(v1[d]) << 16);
-    }
+    pack_value_pairs(vbase, b.v_stride, slots + t0, nb, kTileKeys / 2, D, zero_row, vp32);
     at::native::cpublas::brgemm(Mp, kTileKeys, D, D, kTileKeys, kTileKeys, false,
                                 reinterpret_cast<const at::BFloat16*>(qa),
                                 reinterpret_cast<const at::BFloat16*>(kp), s, true);
@@ -787,12 +789,7 @@ void run(const Batch& b, const std::vector<Item>& items) {
   const int64_t tasks = std::min<int64_t>(at::get_num_threads(), n);
   int64_t floats = buf_floats(b.G, b.D);
 #if defined(__AVX512BF16__)
-  if constexpr (kDot) floats = buf_floats_bf16(b.G, b.D);
-#endif
-#if defined(__AVX512BF16__)
-  if constexpr (kDot) {
-    if (b.tiles) floats = buf_floats_tiles(b.G, b.D);
-  }
+  if constexpr (kDot) floats = b.tiles ? buf_floats_tiles(b.G, b.D) : buf_floats_bf16(b.G, b.D);
 #endif
   at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
     std::vector<float> buf(floats);
@@ -956,11 +953,7 @@ def tiles_supported() -> bool:
     """Whether bfloat16 batches take the AMX path here (see the module docstring): a CPU with
     AMX's bfloat16 tiles, and torch's brgemm is oneDNN's with native bfloat16 allowed
     (``ONEDNN_MAX_CPU_ISA`` can cap it below)."""
-    return (
-        " amx_bf16" in cpu_flags()
-        and cpu_brgemm.host_supported()
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
+    return " amx_bf16" in cpu_flags() and cpu_brgemm.host_supported() and native_bf16_supported()
 
 
 def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

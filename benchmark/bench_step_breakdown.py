@@ -8,18 +8,22 @@ building the output message.
         [--dtype bfloat16] [--profile-step 40]
 
 ``--profile-step N`` (repeatable) also prints torch.profiler's op table for step N (ops' own CPU
-time).
+time).  ``--host-profile`` prints where batch-1 decode's host time goes (cProfile, the functions
+with the most own time).
 
 On CUDA (``--device cuda``, the default when there is a GPU) it also times batch-1 decode
 alone: each step's host time and, from a torch.profiler trace of ``--idle-steps`` steps, the
-time the GPU ran kernels and the gaps in between (launch overhead, host work, syncs).
+time the GPU ran kernels and the gaps in between (launch overhead, host work, syncs), and the
+kernels that took the most GPU time.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
+import pstats
 import tempfile
 import time
 from pathlib import Path
@@ -59,6 +63,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--disable-cuda-graph", action="store_true", help="the engine's flag (CUDA)"
+    )
+    parser.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="CUDA: cProfile batch-1 decode steps, print the top functions by own time",
     )
     parser.add_argument(
         "--chunked-prefill-size", type=int, default=None, help="the engine's flag (default 8192)"
@@ -135,13 +144,14 @@ def main() -> None:
             f"{1e3 * fwd_s[key] / n:>17.1f} {1e3 * (step_s[key] - fwd_s[key]) / n:>12.2f}"
         )
     if args.device == "cuda":
-        gpu_gaps(core, args.idle_steps)
+        gpu_gaps(core, args.idle_steps, args.host_profile)
 
 
-def gpu_gaps(core: Scheduler, num_steps: int) -> None:
-    """Batch-1 decode on CUDA: host time per step (untraced), and GPU kernel time vs gaps
-    over ``num_steps`` traced steps."""
-    submit(core, "gaps", [11, 22, 33, 44], 2 * num_steps + 40)
+def gpu_gaps(core: Scheduler, num_steps: int, host_profile: bool) -> None:
+    """Batch-1 decode on CUDA: host time per step (untraced), GPU kernel time vs gaps and the
+    costliest kernels over ``num_steps`` traced steps; with ``host_profile`` also a cProfile
+    of ``num_steps`` more steps."""
+    submit(core, "gaps", [11, 22, 33, 44], 3 * num_steps + 40)
     for _ in range(20):  # prefill and warm-up decode steps
         core.run_step()
     torch.cuda.synchronize()
@@ -158,9 +168,8 @@ def gpu_gaps(core: Scheduler, num_steps: int) -> None:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
         events = json.loads(trace.read_text())["traceEvents"]
-    spans = sorted(
-        (e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and "dur" in e
-    )
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
     print(f"cuda batch-1 decode: {1e3 * wall:.3f} ms/step ({1 / wall:.0f} tok/s), untraced")
     if spans:
         busy, end = 0.0, float("-inf")
@@ -173,6 +182,21 @@ def gpu_gaps(core: Scheduler, num_steps: int) -> None:
             f"{busy / 1e3 / num_steps:.3f} ms/step, idle {100 * (1 - busy / span):.0f}% of "
             f"{span / 1e3 / num_steps:.3f} ms/step"
         )
+        per_name: collections.Counter[str] = collections.Counter()
+        calls: collections.Counter[str] = collections.Counter()
+        for e in kernels:
+            per_name[e["name"][:90]] += e["dur"]
+            calls[e["name"][:90]] += 1
+        print(f"{'us/step':>8} {'calls/step':>10}  kernel")
+        for name, dur in per_name.most_common(15):
+            print(f"{dur / num_steps:8.1f} {calls[name] / num_steps:10.1f}  {name}")
+    if host_profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(num_steps):
+            core.run_step()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     while core.has_runnable_work():
         core.run_step()
 

@@ -60,14 +60,14 @@ for p in $PARTS; do
     tests)
         part tests 240 python3 -m pytest -q -p no:cacheprovider --timeout 90 --tb=short \
             test/srt/test_cuda_graph_gpu.py test/srt/test_fused_elementwise.py \
-            test/srt/test_cuda_graph_runner.py ;;
+            test/srt/test_cuda_graph_runner.py test/srt/test_entropy_kernel.py ;;
     bench)
         part bench 170 python3 benchmark/bench_offline_throughput.py --model-path "$SMOL_DIR" \
             --dtype bfloat16 --device cuda --cuda-graph-compare --num-prompts 256 \
             --pause-rounds 0 --skip-hf ;;
     steps)
         part steps 60 python3 benchmark/bench_step_breakdown.py --model-path "$SMOL_DIR" \
-            --dtype bfloat16 --device cuda ;;
+            --dtype bfloat16 --device cuda --host-profile ;;
     steps-eager)
         part steps-eager 60 python3 benchmark/bench_step_breakdown.py --model-path "$SMOL_DIR" \
             --dtype bfloat16 --device cuda --disable-cuda-graph ;;
@@ -75,7 +75,7 @@ for p in $PARTS; do
         part sampling 90 python3 benchmark/bench_sampling.py --device cuda ;;
     suites)
         part suites 300 python3 -m pytest -q -p no:cacheprovider --timeout 90 --tb=short \
-            test/srt/test_entropy_kernel.py test/srt/test_engine_pause.py \
+            test/srt/test_engine_pause.py \
             test/srt/test_memory_occupation.py test/srt/test_engine_determine_generation.py ;;
     esac
 done

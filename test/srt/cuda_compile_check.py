@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import sgl_kernel.batch_invariant as bi
+import sgl_kernel.decode_attention as da
 import sgl_kernel.fused_elementwise as fe
 import sgl_kernel.sampling as sampling
 import sglang.srt.lora.triton_kernels as lora_kernels
@@ -61,6 +62,12 @@ def main(capability: int) -> None:
             consts = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_G": block_g,
                       "BLOCK_D": block_d, "BLOCK_N": block_n}  # fmt: skip
             _compile(target, bi._paged_attention_kernel, types, consts, num_warps=4)
+            split_types = {**types, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+            split_consts = {**consts, "NUM_SPLITS": da.NUM_SPLITS}
+            _compile(target, da._split_kernel, split_types, split_consts, num_warps=4)
+            merge_consts = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_N": block_n,
+                            "NUM_SPLITS": da.NUM_SPLITS}  # fmt: skip
+            _compile(target, da._merge_kernel, split_types, merge_consts, num_warps=1)
 
     for dtype in (torch.float32, torch.bfloat16):
         ptr = "*" + _DTYPES[dtype]
@@ -78,6 +85,8 @@ def main(capability: int) -> None:
             _compile(target, fe._rope_kernel, types, consts, **fe._LAUNCH)
         types = {"x_ptr": ptr, "out_ptr": ptr}
         _compile(target, fe._silu_and_mul_kernel, types, {"BLOCK": fe._SILU_BLOCK}, **fe._LAUNCH)
+        types = {"k_buf_ptr": ptr, "v_buf_ptr": ptr, "loc_ptr": "*i64", "k_ptr": ptr, "v_ptr": ptr}
+        _compile(target, fe._store_kv_kernel, types, {"BLOCK": 256})
 
     block, search_block = sampling._tile_sizes(torch.device("cuda"), 151936)
     warps = {"num_warps": sampling._NUM_WARPS}

@@ -226,6 +226,8 @@ def test_every_triton_kernel_compiles_for_cuda(capability: int) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     compiled = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ok ")]
     assert compiled.count("_paged_attention_kernel") == 10
+    assert compiled.count("_split_kernel") == compiled.count("_merge_kernel") == 10
+    assert compiled.count("_store_kv_kernel") == 2
     assert compiled.count("_fused_sample_kernel") == 2
     assert {"_matmul_kernel", "_rms_norm_kernel", "_log_z_kernel"} <= set(compiled)
     assert compiled.count("lora_shrink_kernel") == compiled.count("lora_expand_kernel") == 2

@@ -84,6 +84,21 @@ def test_silu_and_mul_equals_the_torch_ops(dtype: torch.dtype, d: int) -> None:
     assert fe.silu_and_mul(x[:0]).shape == (0, d)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_equals_index_copy(dtype: torch.dtype) -> None:
+    """K and V of 5 tokens (views into a fused qkv row, as the attention layer passes them) to
+    scattered slots: the same pool as two ``index_copy_`` calls; other slots untouched."""
+    qkv = _rand(5, 3 * 2 * 16, dtype=dtype)
+    k, v = qkv[:, 32:64].view(5, 2, 16), qkv[:, 64:].view(5, 2, 16)
+    loc = torch.tensor([7, 2, 30, 11, 5], device=TEST_DEVICE)
+    k_buf, v_buf = _rand(40, 2, 16, dtype=dtype, seed=1), _rand(40, 2, 16, dtype=dtype, seed=2)
+    want_k, want_v = k_buf.clone().index_copy_(0, loc, k), v_buf.clone().index_copy_(0, loc, v)
+    fe.store_kv(k_buf, v_buf, loc, k, v)
+    assert torch.equal(k_buf, want_k) and torch.equal(v_buf, want_v)
+    fe.store_kv(k_buf, v_buf, loc[:0], k[:0], v[:0])  # no token: nothing written
+    assert torch.equal(k_buf, want_k)
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="CPU model runners; on a GPU the engine tests run it")
 def test_model_with_fused_ops_matches_the_torch_ops(tiny_model_dir: Callable[..., Path]) -> None:
     """Prefill and decode logits of the tiny model (qwen3: q/k norms, and partial rotary on

@@ -162,3 +162,37 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             rows, out, rows.stride(0), out.stride(0), d, BLOCK=block, **_LAUNCH
         )
     return out.view(*x.shape[:-1], d)
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_buf_ptr, v_buf_ptr, loc_ptr, k_ptr, v_ptr, stride_kbuf, stride_vbuf, stride_k, stride_v,
+    width, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Token ``t``: its ``width`` K and V values (all heads) to slot ``loc[t]`` of the pool."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(loc_ptr + t).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    k = tl.load(k_ptr + t * stride_k + cols, mask=mask)
+    v = tl.load(v_ptr + t * stride_v + cols, mask=mask)
+    tl.store(k_buf_ptr + slot * stride_kbuf + cols, k.to(k_buf_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_buf_ptr + slot * stride_vbuf + cols, v.to(v_buf_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """``k_buf[loc] = k`` and ``v_buf[loc] = v`` in one kernel (two ``index_copy_`` calls
+    otherwise). ``k_buf``/``v_buf`` [slots, KVH, D] with dense slots; ``k``/``v`` [T, KVH, D]
+    with dense heads (values cast to the pool's dtype); ``loc`` [T] distinct slots."""
+    num_tokens = loc.shape[0]
+    width = k_buf.shape[1] * k_buf.shape[2]
+    k_rows, v_rows = k.reshape(num_tokens, width), v.reshape(num_tokens, width)
+    if k_rows.stride(-1) != 1 or v_rows.stride(-1) != 1:
+        k_rows, v_rows = k_rows.contiguous(), v_rows.contiguous()
+    if num_tokens:
+        _store_kv_kernel[(num_tokens,)](
+            k_buf, v_buf, loc, k_rows, v_rows, k_buf.stride(0), v_buf.stride(0),
+            k_rows.stride(0), v_rows.stride(0), width, BLOCK=triton.next_power_of_2(width),
+        )  # fmt: skip

@@ -85,6 +85,8 @@ class MHATokenToKVPool:
         self.device = device
         # Set by the model runner once the CPU fused kernels are built (cpu_fused_ops.py).
         self.use_cpu_fused_ops = False
+        # Set by the model runner on CUDA: K and V stored by one Triton kernel.
+        self.use_triton_store = False
         self.k_buffer: list[torch.Tensor] = []
         self.v_buffer: list[torch.Tensor] = []
         self.resume()
@@ -143,6 +145,11 @@ class MHATokenToKVPool:
         ):
             # One C++ call for both (index_copy_ costs ~15-80 us a call, the store ~1-3 us).
             cpu_fused_ops.store_kv(k_buf, v_buf, loc, cache_k, cache_v)
+            return
+        if self.use_triton_store:
+            from sgl_kernel import fused_elementwise  # triton: loaded where it is used
+
+            fused_elementwise.store_kv(k_buf, v_buf, loc, cache_k, cache_v)
             return
         # index_copy_ rather than advanced-index assignment: about half the CPU time per call.
         self.k_buffer[layer_id].index_copy_(0, loc, cache_k.to(self.dtype))

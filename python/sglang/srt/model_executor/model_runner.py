@@ -240,8 +240,8 @@ class ModelRunner:
         return FreedMemoryCap(limit)
 
     def _enable_cuda_fused_ops(self) -> None:
-        """On CUDA, switch the model's norms, activations and rotary embeddings to the fused
-        Triton kernels (sgl_kernel.fused_elementwise); not in deterministic mode (its own
+        """On CUDA, switch the model's norms, activations, rotary embeddings and K/V store to
+        the fused Triton kernels (sgl_kernel.fused_elementwise); not in deterministic mode (its own
         norm) nor with --disable-cuda-fused-ops."""
         args = self.server_args
         if (
@@ -254,6 +254,7 @@ class ModelRunner:
         modules = [m for m in self.model.modules() if isinstance(m, fused)]
         for module in modules:
             module.use_triton_fused_ops = True
+        self.token_to_kv_pool.use_triton_store = True
         logger.info("CUDA fused elementwise kernels (Triton): %d modules", len(modules))
 
     def _build_cpu_kernels(self, backend: str) -> None:

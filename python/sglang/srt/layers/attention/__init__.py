@@ -12,8 +12,10 @@ _BACKENDS: dict[str, str | None] = {
         "sglang.srt.layers.attention.deterministic_backend:DeterministicAttnBackend"
     ),
     "triton": "sglang.srt.layers.attention.triton_backend:TritonAttnBackend",
-    # Per query and per fixed key block already: the same kernel is batch-invariant.
-    "triton_deterministic": "sglang.srt.layers.attention.triton_backend:TritonAttnBackend",
+    # Per query and per fixed key block: batch-invariant, and decode equals prefill.
+    "triton_deterministic": (
+        "sglang.srt.layers.attention.triton_backend:TritonDeterministicAttnBackend"
+    ),
     "flashinfer": None,
 }
 

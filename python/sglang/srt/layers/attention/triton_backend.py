@@ -8,6 +8,12 @@ prefilled. That is the attention half of
 ``--enable-deterministic-inference`` on CUDA (``triton`` is the default backend there). Without
 that flag it works as an ordinary backend; prefill re-reads each key once per query, which is
 fine for decode-heavy RL rollouts but slower than a tiled prefill kernel for long prompts.
+
+Outside deterministic mode, decode steps split each token's keys over several programs
+(``sgl_kernel.decode_attention``): at small batches the per-query kernel leaves most of a GPU
+idle. Its partition depends on the token's position alone, so a token's result still does not
+depend on its batch (CUDA-graph padding included); it is not the prefill's order, which is
+what deterministic mode keeps (:class:`TritonDeterministicAttnBackend`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sgl_kernel.batch_invariant import paged_attention_per_query
+from sgl_kernel.decode_attention import paged_decode_attention
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 if TYPE_CHECKING:
@@ -33,6 +40,9 @@ class PerQueryMetadata:
 
 class TritonAttnBackend(AttentionBackend):
     """Stateless apart from the per-batch metadata it puts on the batch."""
+
+    # Decode through the split-KV kernel (False: the per-query kernel, as prefill).
+    split_decode = True
 
     def __init__(self, device: str | torch.device | None = None) -> None:
         self.device = device
@@ -55,7 +65,10 @@ class TritonAttnBackend(AttentionBackend):
         self.store_kv(k, v, layer, forward_batch)
         k_cache, v_cache = forward_batch.kv_pool.get_kv_buffer(layer.layer_id)
         meta: PerQueryMetadata = forward_batch.attn_metadata
-        out = paged_attention_per_query(
+        kernel = paged_attention_per_query
+        if forward_batch.is_decode and self.split_decode:
+            kernel = paged_decode_attention
+        out = kernel(
             q.view(-1, layer.num_heads, layer.head_dim),
             k_cache,
             v_cache,
@@ -66,5 +79,12 @@ class TritonAttnBackend(AttentionBackend):
         )
         return out.view(-1, layer.num_heads * layer.head_dim)
 
-    # A decode step is a prefill of one token per request: the same kernel, the same numbers.
+    # A decode step is a prefill of one token per request (only the kernel may differ).
     forward_decode = forward_extend
+
+
+class TritonDeterministicAttnBackend(TritonAttnBackend):
+    """Deterministic mode: decode through the per-query kernel too, so that a token decoded
+    gets the bits it would get prefilled (prefill/decode consistency)."""
+
+    split_decode = False

@@ -1,0 +1,147 @@
+"""Split-KV paged decode attention (Triton; CUDA, or CPU under ``TRITON_INTERPRET=1``).
+
+The per-query kernel of ``sgl_kernel.batch_invariant`` runs one program per (token, KV head)
+and walks the keys in order. At batch 1 that is 3 programs for SmolLM2 on a GPU of 132
+multiprocessors, each a chain of dependent loads (table row, then keys and values) per 32
+keys: ~15 us a layer, a third of an H100 decode step. Here a token's keys are split over
+``NUM_SPLITS`` programs and a second kernel merges their partial softmaxes:
+
+    key chunk c = keys [c * CHUNK, (c + 1) * CHUNK)      (CHUNK = the tile's BLOCK_N)
+    program (t, h, s) folds chunks s, s + NUM_SPLITS, s + 2 * NUM_SPLITS, ... of token t
+    merge (t, head):  out = sum_s w_s o_s / sum_s w_s,  w_s = exp(lse_s - max lse)
+
+The partition is a function of the token's position alone, never of the batch: a token's
+result is the same whatever else shares its step, padding rows of a CUDA graph included. It
+is not the per-query kernel's reduction order, so deterministic mode (prefill/decode
+consistency) keeps that kernel; this one serves decode otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_kernel.batch_invariant import attention_tile_shape
+
+# Programs per (token, KV head). 16 x 32 keys: a token's first 512 keys take one chunk per
+# program; SmolLM2 at batch 1 gets 48 programs.
+NUM_SPLITS = 16
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr, table_ptr, pool_rows_ptr, positions_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table, scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Token t, KV head h, split s: the normalized partial output [GROUP, D] and log-sum-exp
+    [GROUP] over the split's chunks (lse -inf, output 0 for a split with no key)."""
+    t = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    pos = tl.load(positions_ptr + t)
+    table_row = table_ptr + tl.load(pool_rows_ptr + t).to(tl.int64) * stride_table
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask,
+                other=0.0).to(tl.float32)  # fmt: skip
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for start in range(split * BLOCK_N, pos + 1, NUM_SPLITS * BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        visible = n <= pos
+        slots = tl.load(table_row + n, mask=visible, other=0).to(tl.int64)
+        kv_mask = visible[:, None] & (d[None, :] < HEAD_DIM)
+        k = tl.load(k_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
+                    mask=kv_mask, other=0.0).to(tl.float32)  # fmt: skip
+        v = tl.load(v_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
+                    mask=kv_mask, other=0.0).to(tl.float32)  # fmt: skip
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_G, BLOCK_N]
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        new_m = tl.maximum(m, tl.max(scores, axis=1))  # finite: a chunk's first key is visible
+        alpha = tl.exp(m - new_m)
+        p = tl.exp(scores - new_m[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = new_m
+    has_keys = denom > 0.0
+    out = acc / tl.where(has_keys, denom, 1.0)[:, None]
+    lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, denom, 1.0)), float("-inf"))
+    # Partials laid out [T, H, NUM_SPLITS, D] and [T, H, NUM_SPLITS].
+    row = (t * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
+    tl.store(part_lse_ptr + row, lse, mask=g < GROUP)
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, positions_ptr, num_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Token t, query head h: the softmax-weighted mean of its splits' outputs (splits past the
+    token's last chunk hold no key and are not read)."""
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    used = tl.minimum(tl.load(positions_ptr + t) // BLOCK_N + 1, NUM_SPLITS)
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    row = (t * num_heads + head) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + row, mask=s < used, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, axis=0))  # split 0 always holds key 0: the max is finite
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                    mask=(s[:, None] < used) & (d[None, :] < HEAD_DIM), other=0.0)  # fmt: skip
+    out = tl.sum(w[:, None] * parts, axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + t * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)  # fmt: skip
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    pool_rows: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of each query token over its own request's cached keys ``0..positions[t]``,
+    the keys split over :data:`NUM_SPLITS` programs.
+
+    Same contract and reference as ``sgl_kernel.batch_invariant.paged_attention_per_query``
+    (``q`` [T, H, D]; ``k_cache``/``v_cache`` [slots, KVH, D]; keys 0..p already in the pool;
+    returns [T, H, D] in q's dtype), with float32 partials of ``T * H * NUM_SPLITS * (D + 1)``
+    floats as scratch. Reads lengths on the device only: safe to capture in a CUDA graph.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the head dimension of q, k_cache and v_cache must be contiguous")
+    group = num_heads // num_kv_heads
+    block_g, block_d, block_n = attention_tile_shape(group, head_dim)
+    out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    part_lse = torch.empty(
+        (num_tokens, num_heads, NUM_SPLITS), dtype=torch.float32, device=q.device
+    )
+    part_out = part_lse.new_empty((num_tokens, num_heads, NUM_SPLITS, head_dim))
+    _split_kernel[(num_tokens, num_kv_heads, NUM_SPLITS)](
+        q, k_cache, v_cache, part_out, part_lse, req_to_token, pool_rows, positions,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), scale,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
+        NUM_SPLITS=NUM_SPLITS, num_warps=4,
+    )  # fmt: skip
+    _merge_kernel[(num_tokens, num_heads)](
+        part_out, part_lse, out, positions, num_heads, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=NUM_SPLITS, num_warps=1,
+    )  # fmt: skip
+    return out

@@ -9,17 +9,18 @@
 # benchmarked; a directory holding only its config.json and tokenizer files gets random
 # weights of that shape first (speed does not depend on the values). Environment: WHEEL_DIR,
 # a folder of wheels installed first (for a machine without a registry); PARTS, the parts to
-# run (default: all, "tests bench steps steps-eager sampling suites").
+# run (default: all, "tests bench steps steps-eager sampling launch suites").
 #
-# On an H100 the tests part takes about 2-3 minutes (each test starts its own engines), the
-# suites about 3-4, the benchmarks together about 4: run them as two calls
-# (PARTS="tests suites", then PARTS="bench steps steps-eager sampling") where one command's
-# time is limited to 10 minutes.
+# On an H100 the tests part takes about 4 minutes (each test starts its own engines), the
+# suites about 3-4, the benchmarks together about 4 (--cuda-graph-compare's torch_native run
+# alone can outlast the bench part's limit): run them as two calls (PARTS="tests suites", then
+# PARTS="bench steps steps-eager sampling launch") where one command's time is limited to 10
+# minutes.
 set -u
 cd "$(dirname "$0")/.."
 LOG_DIR=${1:-gpu-logs}
 SMOL_DIR=${SMOL_DIR:-models/SmolLM2-135M-Instruct}
-PARTS=${PARTS:-tests bench steps steps-eager sampling suites}
+PARTS=${PARTS:-tests bench steps steps-eager sampling launch suites}
 mkdir -p "$LOG_DIR"
 export PYTHONPATH="$PWD/python:$PWD/sgl-kernel/python${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -58,9 +59,10 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" 
 for p in $PARTS; do
     case $p in
     tests)
-        part tests 240 python3 -m pytest -q -p no:cacheprovider --timeout 90 --tb=short \
+        part tests 300 python3 -m pytest -q -p no:cacheprovider --timeout 90 --tb=short \
             test/srt/test_cuda_graph_gpu.py test/srt/test_fused_elementwise.py \
-            test/srt/test_cuda_graph_runner.py test/srt/test_entropy_kernel.py ;;
+            test/srt/test_decode_attention_kernel.py test/srt/test_cuda_graph_runner.py \
+            test/srt/test_entropy_kernel.py ;;
     bench)
         part bench 170 python3 benchmark/bench_offline_throughput.py --model-path "$SMOL_DIR" \
             --dtype bfloat16 --device cuda --cuda-graph-compare --num-prompts 256 \
@@ -73,6 +75,8 @@ for p in $PARTS; do
             --dtype bfloat16 --device cuda --disable-cuda-graph ;;
     sampling)
         part sampling 90 python3 benchmark/bench_sampling.py --device cuda ;;
+    launch)
+        part launch 40 python3 benchmark/bench_cuda_launch.py ;;
     suites)
         part suites 300 python3 -m pytest -q -p no:cacheprovider --timeout 90 --tb=short \
             test/srt/test_engine_pause.py \

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from model_test_utils import TEST_DEVICE
 
+import sgl_kernel.decode_attention as da
 from sgl_kernel.batch_invariant import paged_attention_per_query
-from sgl_kernel.decode_attention import NUM_SPLITS, paged_decode_attention
+from sgl_kernel.decode_attention import NUM_SPLITS, paged_decode_attention, split_pays_off
 
 # 16 programs x 32 keys = 512 keys before a program takes a second chunk; 1100 needs three.
 LENGTHS = [1, 5, 32, 33, 300, 512, 513, 1100]
@@ -92,3 +93,13 @@ def test_edge_cases() -> None:
     with pytest.raises(ValueError, match="not a multiple"):
         paged_decode_attention(q[:, :3], k_cache, v_cache, table, pool_rows, positions, 1.0)
     assert NUM_SPLITS & (NUM_SPLITS - 1) == 0  # tl.arange over the splits needs a power of two
+
+
+def test_split_only_while_per_query_programs_leave_multiprocessors_idle(monkeypatch) -> None:
+    """On a GPU of 132 multiprocessors with 3 KV heads: split up to 43 tokens (129 per-query
+    programs), the per-query kernel from 44; always split in the interpreter."""
+    monkeypatch.setattr(da, "_multiprocessors", lambda device: 132)
+    gpu = torch.device("cuda")
+    assert split_pays_off(1, 3, gpu) and split_pays_off(43, 3, gpu)
+    assert not split_pays_off(44, 3, gpu) and not split_pays_off(256, 3, gpu)
+    assert split_pays_off(256, 3, torch.device("cpu"))

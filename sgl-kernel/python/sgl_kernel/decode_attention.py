@@ -13,10 +13,17 @@ keys: ~15 us a layer, a third of an H100 decode step. Here a token's keys are sp
 The partition is a function of the token's position alone, never of the batch: a token's
 result is the same whatever else shares its step, padding rows of a CUDA graph included. It
 is not the per-query kernel's reduction order, so deterministic mode (prefill/decode
-consistency) keeps that kernel; this one serves decode otherwise.
+consistency) keeps that kernel; this one serves decode otherwise, while the per-query kernel's
+programs do not fill the GPU (:func:`split_pays_off`).
+
+Measured on an H100 (bfloat16, SmolLM2's 9 query and 3 KV heads, 300 keys per token, GPU time
+per call): 1 token 7.2 us here against 37.5 us per query; 32 tokens 24 vs 38 us; 512 tokens
+376 vs 307 us (each program then holds at most a chunk or two, and the merge is extra work).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -99,6 +106,21 @@ def _merge_kernel(
     out = tl.sum(w[:, None] * parts, axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + t * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)  # fmt: skip
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_pays_off(num_tokens: int, num_kv_heads: int, device: torch.device) -> bool:
+    """Whether a decode step of ``num_tokens`` tokens should split its keys: while the
+    per-query kernel's ``num_tokens * num_kv_heads`` programs are fewer than the GPU's
+    multiprocessors (one wave leaves some idle). A function of the batch size alone, so one
+    captured CUDA graph always runs one kernel. Always on CPU (Triton's interpreter: tests)."""
+    if device.type != "cuda":
+        return True
+    return num_tokens * num_kv_heads < _multiprocessors(device)
 
 
 def paged_decode_attention(

@@ -42,7 +42,7 @@ serve: model
 test: model
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -102,7 +102,7 @@ def test_store_kv_equals_index_copy(dtype: torch.dtype) -> None:
 @pytest.mark.skipif(not INTERPRETED, reason="CPU model runners; on a GPU the engine tests run it")
 def test_model_with_fused_ops_matches_the_torch_ops(tiny_model_dir: Callable[..., Path]) -> None:
     """Prefill and decode logits of the tiny model (qwen3: q/k norms, and partial rotary on
-    llama) with the kernels switched on equal those of the torch ops."""
+    llama) with the kernels (and the K/V store) switched on equal those of the torch ops."""
     from model_test_utils import RUNNER_SLOTS, BatchBuilder
 
     for path in (tiny_model_dir("qwen3"), tiny_model_dir(partial_rotary_factor=0.5)):
@@ -116,6 +116,7 @@ def test_model_with_fused_ops_matches_the_torch_ops(tiny_model_dir: Callable[...
             ]
             for m in modules:
                 m.use_triton_fused_ops = fused
+            runner.token_to_kv_pool.use_triton_store = fused
             builder = BatchBuilder(runner.model.config, num_slots=RUNNER_SLOTS - 1, max_reqs=4)
             first = runner.forward(builder.extend([("a", [3, 9, 27, 81]), ("b", [5, 7])]))
             second = runner.forward(builder.decode([("a", 11), ("b", 13)]))

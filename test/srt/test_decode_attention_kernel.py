@@ -74,7 +74,7 @@ def test_a_tokens_bits_do_not_depend_on_its_step() -> None:
     lets CUDA graphs pad a batch without changing a token)."""
     q, k_cache, v_cache, table, pool_rows, positions = _decode_case(9, 3, 64, torch.float32)
     full = paged_decode_attention(q, k_cache, v_cache, table, pool_rows, positions, 0.125)
-    for i in [0, 3, 6, 7]:
+    for i in [0, 7]:
         alone = paged_decode_attention(
             q[i : i + 1], k_cache, v_cache, table, pool_rows[i : i + 1], positions[i : i + 1], 0.125
         )

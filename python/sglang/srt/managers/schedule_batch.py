@@ -352,15 +352,19 @@ class ScheduleBatch:
         out_cache_loc = self.kv.alloc_decode(seq_lens, self._last_locs(kv_lens))
         if out_cache_loc is None:
             return None
-        pool_indices = self._pool_indices()
-        positions = torch.tensor(kv_lens, dtype=torch.int64, device=self.device)
+        # The step's three index vectors as views of one tensor: one host-to-device copy.
+        n = len(self.reqs)
+        inputs = torch.tensor(
+            [*(r.output_ids[-1] for r in self.reqs), *kv_lens, *self._rows()],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        input_ids, positions, pool_indices = inputs[:n], inputs[n : 2 * n], inputs[2 * n :]
         self.kv.req_to_token_pool.req_to_token[pool_indices, positions] = out_cache_loc
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE,
-            batch_size=len(self.reqs),
-            input_ids=torch.tensor(
-                [r.output_ids[-1] for r in self.reqs], dtype=torch.int64, device=self.device
-            ),
+            batch_size=n,
+            input_ids=input_ids,
             positions=positions,
             out_cache_loc=out_cache_loc,
             req_pool_indices=pool_indices,

@@ -148,6 +148,47 @@ def rms_norm_batch_invariant(x: torch.Tensor, weight: torch.Tensor, eps: float) 
 
 
 @triton.jit
+def query_tile(
+    q_ptr, t, kv_head, stride_qt, stride_qh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Token t's GROUP query heads of KV head ``kv_head`` as float32 [BLOCK_G, BLOCK_D], with
+    their head indices and the mask of the real (head, dim) entries."""
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    q_ptrs = q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    return tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32), heads, q_mask
+
+
+@triton.jit
+def fold_key_block(
+    q, m, denom, acc, start, pos, table_row, k_head_ptr, v_head_ptr, stride_kt, stride_vt, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Fold keys ``start .. start + BLOCK_N - 1`` (those ``<= pos``; the first one must be) of a
+    request's table row into the online softmax (max m, sum denom, weighted values acc)."""
+    d = tl.arange(0, BLOCK_D)
+    n = start + tl.arange(0, BLOCK_N)
+    visible = n <= pos
+    slots = tl.load(table_row + n, mask=visible, other=0).to(tl.int64)
+    kv_mask = visible[:, None] & (d[None, :] < HEAD_DIM)
+    k = tl.load(k_head_ptr + slots[:, None] * stride_kt + d[None, :], mask=kv_mask,
+                other=0.0).to(tl.float32)  # fmt: skip
+    scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_G, BLOCK_N]
+    scores = tl.where(visible[None, :], scores, float("-inf"))
+    new_m = tl.maximum(m, tl.max(scores, axis=1))  # finite: key `start` is visible
+    alpha = tl.exp(m - new_m)
+    p = tl.exp(scores - new_m[:, None])
+    denom = denom * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_head_ptr + slots[:, None] * stride_vt + d[None, :], mask=kv_mask,
+                other=0.0).to(tl.float32)  # fmt: skip
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    return new_m, denom, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, pool_rows_ptr, positions_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -161,33 +202,18 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     pos = tl.load(positions_ptr + t)
     table_row = table_ptr + tl.load(pool_rows_ptr + t).to(tl.int64) * stride_table
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + g
-    q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
-    q_ptrs = q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)
+    q, heads, q_mask = query_tile(q_ptr, t, kv_head, stride_qt, stride_qh,
+                                   GROUP, HEAD_DIM, BLOCK_G, BLOCK_D)  # fmt: skip
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for start in range(0, pos + 1, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        visible = n <= pos
-        slots = tl.load(table_row + n, mask=visible, other=0).to(tl.int64)
-        kv_mask = visible[:, None] & (d[None, :] < HEAD_DIM)
-        k_ptrs = k_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_G, BLOCK_N]
-        scores = tl.where(visible[None, :], scores, float("-inf"))
-        new_m = tl.maximum(m, tl.max(scores, axis=1))  # finite: key 0 is always visible
-        alpha = tl.exp(m - new_m)
-        p = tl.exp(scores - new_m[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
-        v_ptrs = v_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :]
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m = new_m
+        m, denom, acc = fold_key_block(
+            q, m, denom, acc, start, pos, table_row, k_ptr + kv_head * stride_kh,
+            v_ptr + kv_head * stride_vh, stride_kt, stride_vt, scale, HEAD_DIM, BLOCK_D, BLOCK_N,
+        )  # fmt: skip
     out = acc / denom[:, None]
+    d = tl.arange(0, BLOCK_D)
     out_ptrs = out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -197,6 +223,22 @@ def attention_tile_shape(group: int, head_dim: int) -> tuple[int, int, int]:
     head: constants of the model, never of the batch."""
     block_g, block_d = max(2, triton.next_power_of_2(group)), triton.next_power_of_2(head_dim)
     return block_g, block_d, max(8, min(32, _ATTN_TILE_ELEMENTS // (block_g * block_d)))
+
+
+def check_paged_operands(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> tuple[int, tuple[int, int, int]]:
+    """The query heads per KV head and :func:`attention_tile_shape` of paged attention
+    operands (``q`` [T, H, D], ``k_cache``/``v_cache`` [slots, KVH, D]); ValueError when H is
+    not a multiple of KVH or a head dimension is not contiguous."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the head dimension of q, k_cache and v_cache must be contiguous")
+    group = num_heads // num_kv_heads
+    return group, attention_tile_shape(group, head_dim)
 
 
 def paged_attention_per_query(
@@ -217,14 +259,9 @@ def paged_attention_per_query(
     writes the new K/V first). Reference: ``softmax(q . K[:p+1]^T * scale) @ V[:p+1]`` per
     token and head, in float32. Returns [T, H, D] in q's dtype.
     """
-    num_tokens, num_heads, head_dim = q.shape
+    num_tokens, _, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("the head dimension of q, k_cache and v_cache must be contiguous")
-    group = num_heads // num_kv_heads
-    block_g, block_d, block_n = attention_tile_shape(group, head_dim)
+    group, (block_g, block_d, block_n) = check_paged_operands(q, k_cache, v_cache)
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out

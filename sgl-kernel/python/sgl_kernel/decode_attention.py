@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_kernel.batch_invariant import attention_tile_shape
+from sgl_kernel.batch_invariant import check_paged_operands, fold_key_block, query_tile
 
 # Programs per (token, KV head). 16 x 32 keys: a token's first 512 keys take one chunk per
 # program; SmolLM2 at batch 1 gets 48 programs.
@@ -50,39 +50,24 @@ def _split_kernel(
     split = tl.program_id(2)
     pos = tl.load(positions_ptr + t)
     table_row = table_ptr + tl.load(pool_rows_ptr + t).to(tl.int64) * stride_table
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + g
-    q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask,
-                other=0.0).to(tl.float32)  # fmt: skip
+    q, heads, q_mask = query_tile(q_ptr, t, kv_head, stride_qt, stride_qh,
+                                   GROUP, HEAD_DIM, BLOCK_G, BLOCK_D)  # fmt: skip
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for start in range(split * BLOCK_N, pos + 1, NUM_SPLITS * BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        visible = n <= pos
-        slots = tl.load(table_row + n, mask=visible, other=0).to(tl.int64)
-        kv_mask = visible[:, None] & (d[None, :] < HEAD_DIM)
-        k = tl.load(k_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)  # fmt: skip
-        v = tl.load(v_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)  # fmt: skip
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_G, BLOCK_N]
-        scores = tl.where(visible[None, :], scores, float("-inf"))
-        new_m = tl.maximum(m, tl.max(scores, axis=1))  # finite: a chunk's first key is visible
-        alpha = tl.exp(m - new_m)
-        p = tl.exp(scores - new_m[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m = new_m
+        m, denom, acc = fold_key_block(
+            q, m, denom, acc, start, pos, table_row, k_ptr + kv_head * stride_kh,
+            v_ptr + kv_head * stride_vh, stride_kt, stride_vt, scale, HEAD_DIM, BLOCK_D, BLOCK_N,
+        )  # fmt: skip
     has_keys = denom > 0.0
     out = acc / tl.where(has_keys, denom, 1.0)[:, None]
     lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, denom, 1.0)), float("-inf"))
     # Partials laid out [T, H, NUM_SPLITS, D] and [T, H, NUM_SPLITS].
+    d = tl.arange(0, BLOCK_D)
     row = (t * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
     tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
-    tl.store(part_lse_ptr + row, lse, mask=g < GROUP)
+    tl.store(part_lse_ptr + row, lse, mask=tl.arange(0, BLOCK_G) < GROUP)
 
 
 @triton.jit
@@ -142,12 +127,7 @@ def paged_decode_attention(
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("the head dimension of q, k_cache and v_cache must be contiguous")
-    group = num_heads // num_kv_heads
-    block_g, block_d, block_n = attention_tile_shape(group, head_dim)
+    group, (block_g, block_d, block_n) = check_paged_operands(q, k_cache, v_cache)
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out

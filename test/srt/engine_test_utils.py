@@ -32,6 +32,12 @@ MAX_NEW = 1500
 
 StateFn = Callable[[], dict[str, Any]]
 
+# One HTTP client for the helpers below (thread-safe; no cap on connections, so concurrent
+# callers never wait on its pool). A module-level ``httpx.get``/``httpx.post`` builds a client
+# per call, and each loads the CA bundle into a new SSL context: ~26 ms of CPU a request, which
+# the polling loops and the fuzz tests paid on every call.
+HTTP = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
+
 
 def engine_state(engine: sgl.Engine) -> dict[str, Any]:
     """``internal_states[0]`` of the engine's scheduler (DESIGN §2 keys)."""
@@ -40,13 +46,13 @@ def engine_state(engine: sgl.Engine) -> dict[str, Any]:
 
 def server_state(server: ServerProcess) -> dict[str, Any]:
     """``internal_states[0]`` from the server's /get_server_info."""
-    info = httpx.get(server.url + "/get_server_info", headers=server.headers, timeout=30).json()
+    info = HTTP.get(server.url + "/get_server_info", headers=server.headers, timeout=30).json()
     return info["internal_states"][0]
 
 
 def post(server: ServerProcess, path: str, body: object = None, **kw: Any) -> httpx.Response:
     """POST ``body`` as JSON to ``path`` with the server's auth header (60 s timeout)."""
-    return httpx.post(server.url + path, json=body, headers=server.headers, timeout=60, **kw)
+    return HTTP.post(server.url + path, json=body, headers=server.headers, timeout=60, **kw)
 
 
 def wait_for(pred: Callable[[], object], timeout: float = 30.0) -> None:
@@ -159,7 +165,7 @@ REFERENCE_REQUEST = {
 
 def reference_ids(server: ServerProcess) -> list[int]:
     """The output ids of :data:`REFERENCE_REQUEST` on ``server`` (asserting a 200)."""
-    r = httpx.post(server.url + "/generate", json=REFERENCE_REQUEST, timeout=60)
+    r = HTTP.post(server.url + "/generate", json=REFERENCE_REQUEST, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
 

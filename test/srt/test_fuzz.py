@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-from engine_test_utils import REFERENCE_REQUEST, reference_ids
+from engine_test_utils import HTTP, REFERENCE_REQUEST, reference_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_test_utils import ServerProcess
@@ -142,14 +142,14 @@ def _check_answer(r: httpx.Response) -> None:
 
 
 def _send(server: ServerProcess, path: str, body: bytes) -> None:
-    r = httpx.post(server.url + path, content=body, timeout=120,
+    r = HTTP.post(server.url + path, content=body, timeout=120,
                    headers={"Content-Type": "application/json"})
     _check_answer(r)
 
 
 def _still_serving(server: ServerProcess, reference: list[int]) -> None:
     assert reference_ids(server) == reference
-    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    assert HTTP.get(server.url + "/health", timeout=30).status_code == 200
 
 
 @FUZZ_SETTINGS
@@ -175,7 +175,7 @@ def test_fuzz_control(server: ServerProcess, reference: list[int], path: str,
     base, keys = CONTROL[path]
     _send(server, path, _encode(data.draw(spoiled(base, keys))))
     for restore in ("/continue_generation", "/resume_memory_occupation"):
-        assert httpx.post(server.url + restore, json={}, timeout=60).status_code == 200
+        assert HTTP.post(server.url + restore, json={}, timeout=60).status_code == 200
     _still_serving(server, reference)
 
 
@@ -184,7 +184,7 @@ def test_fuzz_control(server: ServerProcess, reference: list[int], path: str,
 def test_fuzz_raw_bodies(server: ServerProcess, reference: list[int], path: str,
                          raw: bytes) -> None:
     _send(server, path, raw)
-    httpx.post(server.url + "/continue_generation", timeout=60)
+    HTTP.post(server.url + "/continue_generation", timeout=60)
     _still_serving(server, reference)
 
 

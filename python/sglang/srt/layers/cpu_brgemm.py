@@ -44,9 +44,6 @@ from sglang.srt.layers.cpu_extension import CpuKernel, cpu_flags
 ROW_CHUNK = 256
 
 _CPP_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -109,8 +106,8 @@ void run_bf16(const at::BFloat16* A, const at::BFloat16* B, const at::BFloat16* 
 
 }  // namespace
 
-torch::Tensor blocked_linear(torch::Tensor x, torch::Tensor blocked,
-                             c10::optional<torch::Tensor> bias) {
+at::Tensor blocked_linear(at::Tensor x, at::Tensor blocked,
+                             c10::optional<at::Tensor> bias) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.scalar_type() == at::kFloat || bf16, "float32 or bfloat16 only");
   TORCH_CHECK(blocked.scalar_type() == x.scalar_type(), "x and the weight must have one dtype");
@@ -129,7 +126,7 @@ torch::Tensor blocked_linear(torch::Tensor x, torch::Tensor blocked,
                     bias->numel() == N,
                 "bias must be a dense [N] tensor of x's dtype");
   }
-  torch::Tensor y = torch::empty({M, N}, x.options());
+  at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   // One contiguous run of blocks per thread, so each reads its part of the weight only.
   const int64_t threads = at::get_num_threads();
@@ -150,8 +147,8 @@ torch::Tensor blocked_linear(torch::Tensor x, torch::Tensor blocked,
 """.replace("ROW_CHUNK_VALUE", str(ROW_CHUNK))
 
 _CPP_DECLARATION = (
-    "torch::Tensor blocked_linear(torch::Tensor x, torch::Tensor blocked, "
-    "c10::optional<torch::Tensor> bias);"
+    "at::Tensor blocked_linear(at::Tensor x, at::Tensor blocked, "
+    "c10::optional<at::Tensor> bias);"
 )
 
 _KERNEL = CpuKernel(

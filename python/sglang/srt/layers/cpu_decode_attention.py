@@ -415,10 +415,10 @@ void dispatch_head_dim(const Operands<T>& op, const std::vector<int64_t>& lens, 
 }
 
 template <typename T>
-void launch(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-            const torch::Tensor& table, const torch::Tensor& rows,
+void launch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& table, const at::Tensor& rows,
             const std::vector<int64_t>& lens, double scale, bool native_bf16,
-            torch::Tensor& out) {
+            at::Tensor& out) {
   const int64_t KVH = k_cache.size(1), D = k_cache.size(2);
   const Operands<T> op{reinterpret_cast<const T*>(q.data_ptr()),
                        reinterpret_cast<const T*>(k_cache.data_ptr()),
@@ -437,9 +437,9 @@ void launch(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
 
 }  // namespace
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor req_to_token, torch::Tensor req_pool_indices,
-                               torch::Tensor seq_lens, double scale, bool native_bf16) {
+at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                               at::Tensor req_to_token, at::Tensor req_pool_indices,
+                               at::Tensor seq_lens, double scale, bool native_bf16) {
   TORCH_CHECK(q.dim() == 2 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "q must be [b, H*D], k_cache/v_cache [slots, KVH, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && q.stride(1) == 1,
@@ -456,8 +456,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
                   req_to_token.stride(1) == 1,
               "req_to_token must be a row-major int64 table");
   TORCH_CHECK(req_pool_indices.numel() == B && seq_lens.numel() == B, "batch mismatch");
-  const torch::Tensor rows = req_pool_indices.to(at::kLong).contiguous();
-  const torch::Tensor lens64 = seq_lens.to(at::kLong).contiguous();
+  const at::Tensor rows = req_pool_indices.to(at::kLong).contiguous();
+  const at::Tensor lens64 = seq_lens.to(at::kLong).contiguous();
   std::vector<int64_t> lens(lens64.data_ptr<int64_t>(), lens64.data_ptr<int64_t>() + B);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t row = rows.data_ptr<int64_t>()[b];
@@ -465,7 +465,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= req_to_token.size(1),
                 "seq_lens must be in [1, req_to_token.size(1)]");
   }
-  torch::Tensor out = torch::empty({B, q.size(1)}, q.options());
+  at::Tensor out = at::empty({B, q.size(1)}, q.options());
   if (q.scalar_type() == at::kFloat) {
     launch<float>(q, k_cache, v_cache, req_to_token, rows, lens, scale, native_bf16, out);
   } else {
@@ -476,9 +476,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 """
 
 _CPP_DECLARATION = (
-    "torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, "
-    "torch::Tensor v_cache, torch::Tensor req_to_token, torch::Tensor req_pool_indices, "
-    "torch::Tensor seq_lens, double scale, bool native_bf16);"
+    "at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, "
+    "at::Tensor v_cache, at::Tensor req_to_token, at::Tensor req_pool_indices, "
+    "at::Tensor seq_lens, double scale, bool native_bf16);"
 )
 
 _KERNEL = CpuKernel(

@@ -69,9 +69,6 @@ from sglang.srt.layers.cpu_prepack import native_bf16_supported
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 _CPP_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 #include <atomic>
@@ -821,21 +818,21 @@ void dispatch_head_dim(const Batch& b, const std::vector<Item>& items) {
   }
 }
 
-std::vector<int64_t> to_vector(const torch::Tensor& t, const char* name) {
+std::vector<int64_t> to_vector(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 1, name, " must be a 1-d CPU tensor");
-  const torch::Tensor c = t.to(at::kLong).contiguous();
+  const at::Tensor c = t.to(at::kLong).contiguous();
   return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
 }
 
-bool float_or_bf16(const torch::Tensor& t) {
+bool float_or_bf16(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
 }
 
 }  // namespace
 
-torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor req_to_token, torch::Tensor req_pool_indices,
-                               torch::Tensor prefix_lens, torch::Tensor extend_lens,
+at::Tensor extend_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                               at::Tensor req_to_token, at::Tensor req_pool_indices,
+                               at::Tensor prefix_lens, at::Tensor extend_lens,
                                double scale, bool tiles) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
                   req_to_token.device().is_cpu(), "CPU tensors only");
@@ -901,7 +898,7 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& x, const Item& y) { return x.cost > y.cost; });
 
-  torch::Tensor out = torch::empty({q.size(0), q.size(1)}, q.options());
+  at::Tensor out = at::empty({q.size(0), q.size(1)}, q.options());
   b.q = q.data_ptr();
   b.out = out.data_ptr();
   b.k = k_cache.data_ptr();
@@ -927,9 +924,9 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 """
 
 _CPP_DECLARATION = (
-    "torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, "
-    "torch::Tensor v_cache, torch::Tensor req_to_token, torch::Tensor req_pool_indices, "
-    "torch::Tensor prefix_lens, torch::Tensor extend_lens, double scale, bool tiles);"
+    "at::Tensor extend_attention(at::Tensor q, at::Tensor k_cache, "
+    "at::Tensor v_cache, at::Tensor req_to_token, at::Tensor req_pool_indices, "
+    "at::Tensor prefix_lens, at::Tensor extend_lens, double scale, bool tiles);"
 )
 
 _KERNEL = CpuKernel(

@@ -27,14 +27,26 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
+# The torch headers every kernel is compiled against (put before its declaration): the tensor
+# type, at::empty, at::parallel_for, the brgemm micro-kernel, and what the pybind11 bindings
+# that load_inline generates need. Not <torch/extension.h>, load_inline's default: parsing it
+# (torch's whole C++ API and autograd) took ~23 s of each kernel's build on 2 cores, these
+# headers ~10 s.
+CPP_TORCH_HEADERS = r"""
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/utils/pybind.h>
+"""
+
 # C++ shared by the 16-float kernels (prepended to each one's source; used on AVX-512 hosts,
 # see avx512_host): GCC vector types of 16 float32 lanes (one AVX-512 register); loads and
 # stores of 16 float32 or bfloat16 values (bfloat16 handled as its raw 16 bits, the high half
 # of a float32; stores round to nearest even, for finite values); and a reduction of 16
 # vectors to their 16 lane sums.
 CPP_VECTOR_PRELUDE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
@@ -185,7 +197,8 @@ def build_cpu_extension(
             with _exclusive_build(build_dir, what):
                 module = load_inline(
                     name=full_name,
-                    cpp_sources=[declaration, source],
+                    cpp_sources=[CPP_TORCH_HEADERS, declaration, source],
+                    no_implicit_headers=True,
                     functions=functions,
                     extra_cflags=flags,
                     extra_ldflags=["-fopenmp"],

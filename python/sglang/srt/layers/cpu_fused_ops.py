@@ -195,7 +195,7 @@ void rope_rows(const T* x, int64_t x_stride, const int64_t* pos, const float* co
   });
 }
 
-void check_rows(const torch::Tensor& t, const char* name) {
+void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1,
               name, " must be a CPU matrix with dense rows");
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
@@ -203,28 +203,28 @@ void check_rows(const torch::Tensor& t, const char* name) {
 }
 
 template <typename T>
-const T* ptr(const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }
+const T* ptr(const at::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }
 template <typename T>
-T* mut_ptr(torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+T* mut_ptr(at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x,
-                                                      c10::optional<torch::Tensor> residual,
-                                                      torch::Tensor weight, double eps) {
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x,
+                                                      c10::optional<at::Tensor> residual,
+                                                      at::Tensor weight, double eps) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), N = x.size(1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == N && weight.is_contiguous() &&
                   weight.scalar_type() == x.scalar_type(),
               "weight must be a contiguous [N] vector of x's dtype");
-  torch::Tensor out = torch::empty({rows, N}, x.options());
-  torch::Tensor summed = x;
+  at::Tensor out = at::empty({rows, N}, x.options());
+  at::Tensor summed = x;
   const bool has_res = residual.has_value();
   if (has_res) {
     check_rows(*residual, "residual");
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
                 "residual must match x");
-    summed = torch::empty({rows, N}, x.options());
+    summed = at::empty({rows, N}, x.options());
   }
   if (x.scalar_type() == at::kFloat) {
     add_rms_norm_rows<float>(ptr<float>(x), x.stride(0),
@@ -242,11 +242,11 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x,
   return {out, summed};
 }
 
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   check_rows(x, "x");
   TORCH_CHECK(x.size(1) % 2 == 0, "x must have an even number of columns (gate, then up)");
   const int64_t rows = x.size(0), d = x.size(1) / 2;
-  torch::Tensor out = torch::empty({rows, d}, x.options());
+  at::Tensor out = at::empty({rows, d}, x.options());
   if (x.scalar_type() == at::kFloat) {
     silu_and_mul_rows<float>(ptr<float>(x), x.stride(0), rows, d, mut_ptr<float>(out));
   } else {
@@ -255,7 +255,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
-torch::Tensor rope(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin,
+at::Tensor rope(at::Tensor x, at::Tensor positions, at::Tensor cos_sin,
                    int64_t head_dim, int64_t rotary_dim) {
   check_rows(x, "x");
   TORCH_CHECK(head_dim > 0 && x.size(1) % head_dim == 0,
@@ -268,13 +268,13 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_s
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 &&
                   positions.size(0) == x.size(0),
               "positions must be int64 [rows]");
-  const torch::Tensor pos = positions.contiguous();
+  const at::Tensor pos = positions.contiguous();
   const int64_t rows = x.size(0), P = cos_sin.size(0);
   const int64_t* p = pos.data_ptr<int64_t>();
   for (int64_t i = 0; i < rows; ++i) {
     TORCH_CHECK(p[i] >= 0 && p[i] < P, "position ", p[i], " outside [0, ", P, ")");
   }
-  torch::Tensor out = torch::empty({rows, x.size(1)}, x.options());
+  at::Tensor out = at::empty({rows, x.size(1)}, x.options());
   const int64_t heads = x.size(1) / head_dim;
   if (x.scalar_type() == at::kFloat) {
     rope_rows<float>(ptr<float>(x), x.stride(0), p, cos_sin.data_ptr<float>(), rows, heads,
@@ -286,18 +286,18 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_s
   return out;
 }
 
-void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor loc, torch::Tensor k,
-              torch::Tensor v) {
+void store_kv(at::Tensor k_cache, at::Tensor v_cache, at::Tensor loc, at::Tensor k,
+              at::Tensor v) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
                   v_cache.dim() == 3,
               "the pool buffers must be contiguous [slots, heads, head_dim]");
   TORCH_CHECK(loc.scalar_type() == at::kLong && loc.dim() == 1, "loc must be int64 [rows]");
   const int64_t rows = loc.size(0), S = k_cache.size(0);
-  const torch::Tensor* srcs[2] = {&k, &v};
-  const torch::Tensor* dsts[2] = {&k_cache, &v_cache};
+  const at::Tensor* srcs[2] = {&k, &v};
+  const at::Tensor* dsts[2] = {&k_cache, &v_cache};
   for (int c = 0; c < 2; ++c) {
-    const torch::Tensor& src = *srcs[c];
-    const torch::Tensor& dst = *dsts[c];
+    const at::Tensor& src = *srcs[c];
+    const at::Tensor& dst = *dsts[c];
     TORCH_CHECK(src.dim() == 3 && src.size(0) == rows && src.size(1) == dst.size(1) &&
                     src.size(2) == dst.size(2) && dst.size(0) == S,
                 "k/v must be [rows, heads, head_dim] of the pool's shape");
@@ -305,7 +305,7 @@ void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor loc, t
     TORCH_CHECK(src.stride(2) == 1 && src.stride(1) == src.size(2),
                 "k/v rows must be dense");
   }
-  const torch::Tensor slots = loc.contiguous();
+  const at::Tensor slots = loc.contiguous();
   const int64_t* l = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < rows; ++i) {
     TORCH_CHECK(l[i] >= 0 && l[i] < S, "slot ", l[i], " outside [0, ", S, ")");
@@ -326,13 +326,13 @@ void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor loc, t
 """
 
 _CPP_DECLARATION = """
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x,
-    c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
-torch::Tensor silu_and_mul(torch::Tensor x);
-torch::Tensor rope(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin,
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x,
+    c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
+at::Tensor silu_and_mul(at::Tensor x);
+at::Tensor rope(at::Tensor x, at::Tensor positions, at::Tensor cos_sin,
     int64_t head_dim, int64_t rotary_dim);
-void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor loc, torch::Tensor k,
-    torch::Tensor v);
+void store_kv(at::Tensor k_cache, at::Tensor v_cache, at::Tensor loc, at::Tensor k,
+    at::Tensor v);
 """
 
 _KERNEL = CpuKernel(

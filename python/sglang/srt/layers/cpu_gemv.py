@@ -111,7 +111,7 @@ void run(const T* x, int64_t x_stride, const T* w, const T* bias, T* y, int64_t 
 }
 
 template <typename T>
-void dispatch_rows(const torch::Tensor& x, const torch::Tensor& w, const T* bias, torch::Tensor& y,
+void dispatch_rows(const at::Tensor& x, const at::Tensor& w, const T* bias, at::Tensor& y,
                    bool native) {
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   const T* wp = reinterpret_cast<const T*>(w.data_ptr());
@@ -127,7 +127,7 @@ void dispatch_rows(const torch::Tensor& x, const torch::Tensor& w, const T* bias
 
 }  // namespace
 
-torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias,
+at::Tensor small_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias,
                            bool native_bf16) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "x must be [M, K] and weight [N, K]");
@@ -143,7 +143,7 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<
                     bias->numel() == weight.size(0),
                 "bias must be a dense [N] tensor of x's dtype");
   }
-  torch::Tensor y = torch::empty({x.size(0), weight.size(0)}, x.options());
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
   if (x.scalar_type() == at::kFloat) {
     dispatch_rows<float>(x, weight, has_bias ? bias->data_ptr<float>() : nullptr, y, native_bf16);
   } else {
@@ -155,8 +155,8 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<
 """
 
 _CPP_DECLARATION = (
-    "torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, "
-    "c10::optional<torch::Tensor> bias, bool native_bf16);"
+    "at::Tensor small_linear(at::Tensor x, at::Tensor weight, "
+    "c10::optional<at::Tensor> bias, bool native_bf16);"
 )
 
 _KERNEL = CpuKernel(

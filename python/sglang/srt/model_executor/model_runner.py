@@ -260,7 +260,7 @@ class ModelRunner:
     def _build_cpu_kernels(self, backend: str) -> None:
         """Build (or load from the cache) the C++ CPU kernels this runner will use, now rather
         than mid-serving, side by side: a first start then compiles them in about the time of
-        the longest build instead of the sum (20-40 s each on 2 cores). The attention backend
+        the longest build instead of the sum (12-20 s each on 2 cores). The attention backend
         switches to its kernels here; the packing and fused-op code below finds theirs loaded."""
         loaders: list[Callable[[], bool]] = []
         if self._cpu_attention_kernel_wanted(backend):

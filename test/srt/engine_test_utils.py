@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
-from server_test_utils import ServerProcess
+from server_test_utils import HTTP, ServerProcess
 
 import sglang as sgl
 
@@ -32,11 +32,6 @@ MAX_NEW = 1500
 
 StateFn = Callable[[], dict[str, Any]]
 
-# One HTTP client for the helpers below (thread-safe; no cap on connections, so concurrent
-# callers never wait on its pool). A module-level ``httpx.get``/``httpx.post`` builds a client
-# per call, and each loads the CA bundle into a new SSL context: ~26 ms of CPU a request, which
-# the polling loops and the fuzz tests paid on every call.
-HTTP = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
 
 
 def engine_state(engine: sgl.Engine) -> dict[str, Any]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -16,6 +19,12 @@ import psutil
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 180.0
 _PORT_ATTEMPTS = 3
+# One HTTP client for the test helpers (thread-safe; no cap on connections, so concurrent callers
+# never wait on its pool). A module-level ``httpx.get``/``httpx.post`` builds a client per call,
+# and each loads the CA bundle into a new SSL context: ~26 ms of CPU a request, which the polling
+# loops (a starting server's /health every 0.2 s, on the cores it starts on) and the fuzz tests
+# paid on every call.
+HTTP = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
 
 
 def process_alive(pid: int) -> bool:
@@ -78,7 +87,7 @@ class ServerProcess:
                     return False
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if HTTP.get(self.url + "/health", timeout=2).status_code == 200:
                     return True
             except httpx.TransportError:
                 pass
@@ -97,3 +106,19 @@ class ServerProcess:
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]
+
+
+@contextlib.contextmanager
+def started_together(*servers: ServerProcess) -> Iterator[list[ServerProcess]]:
+    """Enter ``servers`` concurrently (a start is mostly single-threaded imports, so two share
+    the cores better than they follow each other) and leave them all at the end. When one
+    fails to start, the ones that started are stopped and its error is raised."""
+    with contextlib.ExitStack() as stack:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            futures = [pool.submit(server.__enter__) for server in servers]
+        for server, future in zip(servers, futures):
+            if future.exception() is None:
+                stack.push(server.__exit__)
+        for future in futures:
+            future.result()  # the first failure, after every started server is registered
+        yield list(servers)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_test_utils import ServerProcess, free_port
+from server_test_utils import ServerProcess, free_port, started_together
 
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 
@@ -34,9 +34,9 @@ def _wait_until_up(proc: subprocess.Popen, url: str, what: str, timeout: float =
 @pytest.fixture(scope="module")
 def two_workers(tiny_model_dir: Callable[..., Path]) -> Iterator[list[ServerProcess]]:
     model = tiny_model_dir("llama")
-    with ServerProcess(model, "--skip-server-warmup") as first, \
-            ServerProcess(model, "--skip-server-warmup") as second:
-        yield [first, second]
+    servers = [ServerProcess(model, "--skip-server-warmup") for _ in range(2)]
+    with started_together(*servers):
+        yield servers
 
 
 @pytest.fixture(scope="module")

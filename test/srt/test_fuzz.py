@@ -24,10 +24,10 @@ from typing import Any
 
 import httpx
 import pytest
-from engine_test_utils import HTTP, REFERENCE_REQUEST, reference_ids
+from engine_test_utils import REFERENCE_REQUEST, reference_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_test_utils import ServerProcess
+from server_test_utils import HTTP, ServerProcess
 
 from sglang.srt.entrypoints.engine import _make_request
 from sglang.srt.managers.request_validation import check_generate_input

@@ -91,6 +91,7 @@ def test_abort_then_resubmit_reproduces_the_rest(engine, baselines, name: str, n
     prompts = PROMPTS[:num]
     expected = baselines[name][:num]
     partial = _interrupted(engine, prompts, name, "abort")
+    resubmitted, params = [], []
     for prompt, part, exp in zip(prompts, partial, expected):
         assert part["meta_info"]["finish_reason"]["type"] == "abort"
         got_ids, got_lps = ids_and_logprobs(part)
@@ -98,12 +99,15 @@ def test_abort_then_resubmit_reproduces_the_rest(engine, baselines, name: str, n
         k = len(got_ids)
         assert 0 < k < MAX_NEW
         assert (got_ids, got_lps) == (exp_ids[:k], exp_lps[:k])
-        rest = engine.generate(
-            input_ids=prompt + got_ids,
-            sampling_params=_params(name, MAX_NEW - k),
-            return_logprob=True,
-        )
-        assert ids_and_logprobs(rest) == (exp_ids[k:], exp_lps[k:])
+        resubmitted.append(prompt + got_ids)
+        params.append(_params(name, MAX_NEW - k))
+    # All the resubmissions in one batch: deterministic mode makes each one's output
+    # independent of the others.
+    rest = engine.generate(input_ids=resubmitted, sampling_params=params, return_logprob=True)
+    for part, exp, out in zip(partial, expected, rest):
+        k = len(part["output_ids"])
+        exp_ids, exp_lps = ids_and_logprobs(exp)
+        assert ids_and_logprobs(out) == (exp_ids[k:], exp_lps[k:])
 
 
 def test_stream_through_retract_concatenates_to_the_baseline(engine, baselines) -> None:

@@ -33,7 +33,6 @@ MAX_NEW = 1500
 StateFn = Callable[[], dict[str, Any]]
 
 
-
 def engine_state(engine: sgl.Engine) -> dict[str, Any]:
     """``internal_states[0]`` of the engine's scheduler (DESIGN §2 keys)."""
     return engine.get_server_info()["internal_states"][0]

@@ -91,7 +91,7 @@ def test_abort_then_resubmit_reproduces_the_rest(engine, baselines, name: str, n
     prompts = PROMPTS[:num]
     expected = baselines[name][:num]
     partial = _interrupted(engine, prompts, name, "abort")
-    resubmitted, params = [], []
+    resubmitted, params, rests = [], [], []
     for prompt, part, exp in zip(prompts, partial, expected):
         assert part["meta_info"]["finish_reason"]["type"] == "abort"
         got_ids, got_lps = ids_and_logprobs(part)
@@ -101,13 +101,11 @@ def test_abort_then_resubmit_reproduces_the_rest(engine, baselines, name: str, n
         assert (got_ids, got_lps) == (exp_ids[:k], exp_lps[:k])
         resubmitted.append(prompt + got_ids)
         params.append(_params(name, MAX_NEW - k))
+        rests.append((exp_ids[k:], exp_lps[k:]))
     # All the resubmissions in one batch: deterministic mode makes each one's output
     # independent of the others.
-    rest = engine.generate(input_ids=resubmitted, sampling_params=params, return_logprob=True)
-    for part, exp, out in zip(partial, expected, rest):
-        k = len(part["output_ids"])
-        exp_ids, exp_lps = ids_and_logprobs(exp)
-        assert ids_and_logprobs(out) == (exp_ids[k:], exp_lps[k:])
+    outs = engine.generate(input_ids=resubmitted, sampling_params=params, return_logprob=True)
+    assert [ids_and_logprobs(out) for out in outs] == rests
 
 
 def test_stream_through_retract_concatenates_to_the_baseline(engine, baselines) -> None:

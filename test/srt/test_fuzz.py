@@ -143,7 +143,7 @@ def _check_answer(r: httpx.Response) -> None:
 
 def _send(server: ServerProcess, path: str, body: bytes) -> None:
     r = HTTP.post(server.url + path, content=body, timeout=120,
-                   headers={"Content-Type": "application/json"})
+                  headers={"Content-Type": "application/json"})
     _check_answer(r)
 
 

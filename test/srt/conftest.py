@@ -20,6 +20,43 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _interpret_device_calls_without_repatching() -> None:
+    """Triton's interpreter patches the triton.language modules a kernel sees before it runs a
+    launch's programs, and restores them after. It patches them again, never restoring, at
+    every call of a ``@triton.jit`` device function inside (~1.6 ms each: thousands per
+    sampling step). Patch each module once per launch instead: same results, faster tests."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    function = getattr(interpreter, "InterpretedFunction", None)
+    scope = getattr(interpreter, "_LangPatchScope", None)
+    if function is None or scope is None or not hasattr(interpreter, "_patch_lang"):
+        return  # another Triton: leave its interpreter as it is
+    patched: set[int] = set()  # modules patched since the launch began
+    patch_call, restore = function.__call__, scope.restore
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        langs = {id(v) for v in self.fn.__globals__.values() if v is tl or v is tl.core}
+        if langs <= patched:
+            try:
+                return self.rewrite()(*args, **kwargs)
+            except Exception as e:
+                raise interpreter.InterpreterError(repr(e)) from e
+        patched.update(langs)
+        return patch_call(self, *args, **kwargs)
+
+    def restore_all(self: Any) -> None:  # a launch ends: its patches are undone
+        patched.clear()
+        restore(self)
+
+    function.__call__ = call
+    scope.restore = restore_all
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpret_device_calls_without_repatching()
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
 

@@ -29,8 +29,6 @@ import sglang.srt.lora.triton_kernels as lora_kernels
 import sglang.srt.lora.triton_ops as lora_ops
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-_SAMPLER_FLAGS = ("HAS_TOP_K", "HAS_TOP_P", "HAS_MIN_P", "HAS_ENTROPY", "HAS_RAW", "HAS_SUBSET",
-                  "HAS_ENT_TOP_K")  # fmt: skip
 
 
 def _compile(target: GPUTarget, kernel, types: dict[str, str], consts: dict, **options) -> None:
@@ -88,19 +86,29 @@ def main(capability: int) -> None:
         types = {"k_buf_ptr": ptr, "v_buf_ptr": ptr, "loc_ptr": "*i64", "k_ptr": ptr, "v_ptr": ptr}
         _compile(target, fe._store_kv_kernel, types, {"BLOCK": 256})
 
-    block, search_block = sampling._tile_sizes(torch.device("cuda"), 151936)
+    tiling = sampling._tiling(torch.device("cuda"), 151936)
     warps = {"num_warps": sampling._NUM_WARPS}
-    _compile(target, sampling._log_z_kernel, {"logits_ptr": "*fp32", "out_ptr": "*fp32"},
-             {"BLOCK": block}, **warps)  # fmt: skip
+    _compile(target, sampling._log_z_tile_kernel, {"logits_ptr": "*fp32", "part_ptr": "*fp32"},
+             {"BLOCK": tiling.block}, **warps)  # fmt: skip
+    _compile(target, sampling._log_z_kernel, {"part_ptr": "*fp32", "out_ptr": "*fp32"},
+             {"TILES": tiling.tiles_pow2}, **warps)  # fmt: skip
     types = {"logits_ptr": "*bf16", "temperatures_ptr": "*fp32", "top_ks_ptr": "*i64",
              "top_ps_ptr": "*fp32", "min_ps_ptr": "*fp32", "seeds_ptr": "*i64",
              "positions_ptr": "*i64", "greedy_ptr": "*i1", "ent_modes_ptr": "*i32",
-             "ent_top_ks_ptr": "*i64", "next_ids_ptr": "*i64", "logprobs_ptr": "*fp32",
-             "entropies_ptr": "*fp32"}  # fmt: skip
-    for on in (False, True):  # every feature compiled out, then every feature compiled in
-        consts = {"BLOCK": block, "SEARCH_BLOCK": search_block, "NUM_PIVOTS": sampling._NUM_PIVOTS}
-        consts.update(dict.fromkeys(_SAMPLER_FLAGS, on))
-        _compile(target, sampling._fused_sample_kernel, types, consts, **warps)
+             "ent_top_ks_ptr": "*i64", "part_ptr": "*fp32", "part_idx_ptr": "*i32",
+             "intervals_ptr": "*i64", "totals_ptr": "*i64", "fin_ptr": "*fp32",
+             "fin_idx_ptr": "*i32", "thresholds_ptr": "*fp32", "next_ids_ptr": "*i64",
+             "logprobs_ptr": "*fp32", "entropies_ptr": "*fp32"}  # fmt: skip
+    sizes = {"BLOCK": tiling.block, "SEARCH_BLOCK": tiling.search_block,
+             "TILES": tiling.tiles_pow2, "NUM": tiling.num_pivots}  # fmt: skip
+    for kernel in (sampling._stats_kernel, sampling._search_kernel, sampling._final_kernel,
+                   sampling._finish_kernel):  # fmt: skip
+        params = inspect.signature(kernel.fn).parameters
+        for on in (False, True):  # every feature compiled out, then every feature compiled in
+            consts = {n: v for n, v in sizes.items() if n in params}
+            consts.update({n: on for n in params if n.startswith(("HAS_", "SEARCH_", "NEED_"))
+                           and n != "SEARCH_BLOCK"})  # fmt: skip
+            _compile(target, kernel, types, consts, **warps)
 
     segments = {"seg_starts_ptr": "*i32", "seg_lens_ptr": "*i32", "seg_slots_ptr": "*i32",
                 "widths_ptr": "*i32"}  # fmt: skip

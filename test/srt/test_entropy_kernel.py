@@ -143,6 +143,34 @@ def test_backends_match_contract(kernel, dtype: torch.dtype, vocab: int, num_row
         assert got.entropies is not None and bool(torch.isfinite(got.entropies).all())
 
 
+@pytest.mark.parametrize("num_pivots", [16, 256])
+def test_rows_cut_into_many_tiles_match_contract(kernel, monkeypatch, num_pivots: int):
+    """The GPU's layout at a small scale: rows of 1,000 logits in 8 tiles of 128 columns, so the
+    tiles' partials, their merge and the atomic search counts all run (by default the
+    interpreter puts such a row in one tile). The special rows put ties of the maximum in
+    different tiles and mask whole tiles; the last row spans almost every int32 key, so the
+    search needs all of its launches."""
+    vocab, block = 1000, 128
+    tiling = kernel._Tiling(block, 32, 8, 8, num_pivots, kernel._search_launches(num_pivots))
+    monkeypatch.setattr(kernel, "_tiling", lambda device, vocab_size: tiling)
+    num_rows = 6
+    logits = special_rows(num_rows - 1, vocab, torch.Generator().manual_seed(num_pivots))
+    wide = torch.linspace(-1e30, 1e30, vocab)[torch.randperm(vocab, generator=torch.Generator())]
+    logits = on_device(torch.cat([logits, wide[None]]))
+    params = [TRUNCATIONS[(i * 5 + 1) % len(TRUNCATIONS)] for i in range(num_rows - 1)]
+    params.append({"temperature": 1.0, "top_k": 20})
+    specs = [ENTROPY_SPECS[i % len(ENTROPY_SPECS)] for i in range(num_rows)]
+    info = make_info(params, vocab, specs)
+    plan = info.entropy_plan("raw", 0)
+    got = kernel.sample_triton(logits, info, True, None, plan)
+    want = sample_contract(logits, info, True, None, plan)
+    assert_same(got, want)
+    # A temperature-1 row's logprob normaliser is row_logsumexp_triton's, bit for bit.
+    unit = [i for i, p in enumerate(params) if p["temperature"] == 1.0]
+    chosen = logits[unit].gather(1, got.next_token_ids[unit, None]).squeeze(1)
+    assert torch.equal(got.logprobs[unit], chosen - kernel.row_logsumexp_triton(logits[unit]))
+
+
 def test_kernel_reads_any_row_stride_and_skips_entropy_when_unasked(kernel):
     gen = torch.Generator().manual_seed(3)
     wide = on_device(torch.randn(6, 700, generator=gen) * 2)

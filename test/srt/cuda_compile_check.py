@@ -13,8 +13,10 @@ It prints one line per compiled specialization and exits non-zero on the first f
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -27,6 +29,8 @@ import sgl_kernel.fused_elementwise as fe
 import sgl_kernel.sampling as sampling
 import sglang.srt.lora.triton_kernels as lora_kernels
 import sglang.srt.lora.triton_ops as lora_ops
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang.srt.sampling.sampling_params import SamplingParams
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -37,6 +41,90 @@ def _compile(target: GPUTarget, kernel, types: dict[str, str], consts: dict, **o
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     triton.compile(ASTSource(kernel, signature, consts), target=target, options=options)
     print(f"ok {kernel.fn.__name__} {consts}")
+
+
+_POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
+                  torch.int64: "*i64", torch.int32: "*i32", torch.bool: "*i1"}  # fmt: skip
+
+
+@dataclass
+class _Req:
+    sampling_params: SamplingParams
+    sampling_seed: int
+    origin_input_ids: range
+    output_ids: list[int] = field(default_factory=list)
+    eos_token_ids: set[int] = field(default_factory=set)
+
+
+def _recorded_sampler_launches() -> list[tuple[object, dict[str, str], dict]]:
+    """The sampler's launches as its host code makes them, for batches that use each feature:
+    (kernel, the argument types, the constexprs). Nothing runs: each kernel's ``run`` is
+    replaced by a recorder, so the types compiled are those of the real arguments."""
+    launches: list[tuple[object, dict[str, str], dict]] = []
+    kernels = [sampling._stats_kernel, sampling._search_kernel, sampling._final_kernel,
+               sampling._finish_kernel, sampling._log_z_tile_kernel,
+               sampling._log_z_kernel]  # fmt: skip
+
+    def recorder(kernel):
+        def run(*args, grid, warmup, **kwargs):
+            names = list(inspect.signature(kernel.fn).parameters)
+            options = {n: kwargs.pop(n) for n in ("num_warps",) if n in kwargs}
+            types = {}
+            for name, arg in zip(names, args):
+                if isinstance(arg, torch.Tensor):
+                    types[name] = _POINTER_TYPES[arg.dtype]
+                else:
+                    types[name] = "fp32" if isinstance(arg, float) else "i32"
+            launches.append((kernel, types, {**kwargs, **options}))
+
+        return run
+
+    saved = {k: k.run for k in kernels}
+    vocab = 151936
+    batches = [  # (request params, entropy requests): no feature, min-p alone (no search), all
+        ([{"temperature": 0.0}, {"temperature": 1.0}], None),
+        ([{"temperature": 0.7, "min_p": 0.1}, {"temperature": 1.0}], [("raw", 0), None]),
+        ([{"temperature": 0.7, "top_k": 50, "top_p": 0.9, "min_p": 0.05}, {"temperature": 0.0}],
+         [("raw", 0), ("sampled", 20)]),
+    ]  # fmt: skip
+    try:
+        for k in kernels:
+            k.run = recorder(k)
+        for params, entropy in batches:
+            reqs = [_Req(SamplingParams(**p), i, range(5)) for i, p in enumerate(params)]
+            info = SamplingBatchInfo.from_reqs(reqs, vocab, "cpu", entropy)
+            plan = None if entropy is None else info.entropy_plan("raw", 0)
+            logits = torch.zeros(len(params), vocab, dtype=torch.bfloat16)
+            with _as_cuda():
+                sampling.sample_triton(logits, info, True, None, plan)
+        with _as_cuda():
+            sampling.row_logsumexp_triton(torch.zeros(2, vocab))
+    finally:
+        for k, run in saved.items():
+            k.run = run
+    return launches
+
+
+@contextlib.contextmanager
+def _as_cuda():
+    """Plan the sampler's launches for a GPU (its tiling) while the tensors stay on the CPU."""
+    tiling = sampling._tiling
+    sampling._tiling = lambda device, vocab_size: tiling(torch.device("cuda"), vocab_size)
+    try:
+        yield
+    finally:
+        sampling._tiling = tiling
+
+
+def _compile_sampler_launches(target: GPUTarget) -> None:
+    """Compile each distinct launch of :func:`_recorded_sampler_launches` once."""
+    seen = set()
+    for kernel, types, consts in _recorded_sampler_launches():
+        options = {"num_warps": consts.pop("num_warps")} if "num_warps" in consts else {}
+        key = (kernel.fn.__name__, tuple(sorted(types.items())), tuple(sorted(consts.items())))
+        if key not in seen:
+            seen.add(key)
+            _compile(target, kernel, types, consts, **options)
 
 
 def main(capability: int) -> None:
@@ -86,29 +174,7 @@ def main(capability: int) -> None:
         types = {"k_buf_ptr": ptr, "v_buf_ptr": ptr, "loc_ptr": "*i64", "k_ptr": ptr, "v_ptr": ptr}
         _compile(target, fe._store_kv_kernel, types, {"BLOCK": 256})
 
-    tiling = sampling._tiling(torch.device("cuda"), 151936)
-    warps = {"num_warps": sampling._NUM_WARPS}
-    _compile(target, sampling._log_z_tile_kernel, {"logits_ptr": "*fp32", "part_ptr": "*fp32"},
-             {"BLOCK": tiling.block}, **warps)  # fmt: skip
-    _compile(target, sampling._log_z_kernel, {"part_ptr": "*fp32", "out_ptr": "*fp32"},
-             {"TILES": tiling.tiles_pow2}, **warps)  # fmt: skip
-    types = {"logits_ptr": "*bf16", "temperatures_ptr": "*fp32", "top_ks_ptr": "*i64",
-             "top_ps_ptr": "*fp32", "min_ps_ptr": "*fp32", "seeds_ptr": "*i64",
-             "positions_ptr": "*i64", "greedy_ptr": "*i1", "ent_modes_ptr": "*i32",
-             "ent_top_ks_ptr": "*i64", "part_ptr": "*fp32", "part_idx_ptr": "*i32",
-             "intervals_ptr": "*i64", "totals_ptr": "*i64", "fin_ptr": "*fp32",
-             "fin_idx_ptr": "*i32", "thresholds_ptr": "*fp32", "next_ids_ptr": "*i64",
-             "logprobs_ptr": "*fp32", "entropies_ptr": "*fp32"}  # fmt: skip
-    sizes = {"BLOCK": tiling.block, "SEARCH_BLOCK": tiling.search_block,
-             "TILES": tiling.tiles_pow2, "NUM": tiling.num_pivots}  # fmt: skip
-    for kernel in (sampling._stats_kernel, sampling._search_kernel, sampling._final_kernel,
-                   sampling._finish_kernel):  # fmt: skip
-        params = inspect.signature(kernel.fn).parameters
-        for on in (False, True):  # every feature compiled out, then every feature compiled in
-            consts = {n: v for n, v in sizes.items() if n in params}
-            consts.update({n: on for n in params if n.startswith(("HAS_", "SEARCH_", "NEED_"))
-                           and n != "SEARCH_BLOCK"})  # fmt: skip
-            _compile(target, kernel, types, consts, **warps)
+    _compile_sampler_launches(target)
 
     segments = {"seg_starts_ptr": "*i32", "seg_lens_ptr": "*i32", "seg_slots_ptr": "*i32",
                 "widths_ptr": "*i32"}  # fmt: skip

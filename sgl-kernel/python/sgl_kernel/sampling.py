@@ -542,7 +542,8 @@ def _launch(
         NEED_MIN=has_search, **warps,
     )  # fmt: skip
     searches = tiling.searches if has_search else 0
-    intervals = totals = part_idx  # placeholders: read only after a search launch
+    # Placeholders of the searches' int64 buffers (same type: compiled, never read).
+    intervals = totals = next_ids
     if has_search:
         intervals = torch.empty(2, num_rows, _NUM_INTERVALS.value, dtype=torch.int64,
                                 device=device)  # fmt: skip

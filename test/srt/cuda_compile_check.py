@@ -81,20 +81,23 @@ def _recorded_sampler_launches() -> list[tuple[object, dict[str, str], dict]]:
 
     saved = {k: k.run for k in kernels}
     vocab = 151936
-    batches = [  # (request params, entropy requests): no feature, min-p alone (no search), all
-        ([{"temperature": 0.0}, {"temperature": 1.0}], None),
-        ([{"temperature": 0.7, "min_p": 0.1}, {"temperature": 1.0}], [("raw", 0), None]),
+    batches = [  # (params, entropy requests, logits dtype): all greedy, a plain batch, min-p
+        # alone (no search), every feature
+        ([{"temperature": 0.0}] * 2, None, torch.float32),
+        ([{"temperature": 0.0}, {"temperature": 1.0}], None, torch.bfloat16),
+        ([{"temperature": 0.7, "min_p": 0.1}, {"temperature": 1.0}], [("raw", 0), None],
+         torch.bfloat16),
         ([{"temperature": 0.7, "top_k": 50, "top_p": 0.9, "min_p": 0.05}, {"temperature": 0.0}],
-         [("raw", 0), ("sampled", 20)]),
+         [("raw", 0), ("sampled", 20)], torch.bfloat16),
     ]  # fmt: skip
     try:
         for k in kernels:
             k.run = recorder(k)
-        for params, entropy in batches:
+        for params, entropy, dtype in batches:
             reqs = [_Req(SamplingParams(**p), i, range(5)) for i, p in enumerate(params)]
             info = SamplingBatchInfo.from_reqs(reqs, vocab, "cpu", entropy)
             plan = None if entropy is None else info.entropy_plan("raw", 0)
-            logits = torch.zeros(len(params), vocab, dtype=torch.bfloat16)
+            logits = torch.zeros(len(params), vocab, dtype=dtype)
             with _as_cuda():
                 sampling.sample_triton(logits, info, True, None, plan)
         with _as_cuda():

@@ -16,10 +16,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-from dataclasses import dataclass, field
 
 import torch
 import triton
+from test_entropy_kernel import FakeReq
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -43,17 +43,8 @@ def _compile(target: GPUTarget, kernel, types: dict[str, str], consts: dict, **o
     print(f"ok {kernel.fn.__name__} {consts}")
 
 
-_POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
+_POINTER_TYPES = {**{dtype: "*" + name for dtype, name in _DTYPES.items()},
                   torch.int64: "*i64", torch.int32: "*i32", torch.bool: "*i1"}  # fmt: skip
-
-
-@dataclass
-class _Req:
-    sampling_params: SamplingParams
-    sampling_seed: int
-    origin_input_ids: range
-    output_ids: list[int] = field(default_factory=list)
-    eos_token_ids: set[int] = field(default_factory=set)
 
 
 def _recorded_sampler_launches() -> list[tuple[object, dict[str, str], dict]]:
@@ -94,7 +85,7 @@ def _recorded_sampler_launches() -> list[tuple[object, dict[str, str], dict]]:
         for k in kernels:
             k.run = recorder(k)
         for params, entropy, dtype in batches:
-            reqs = [_Req(SamplingParams(**p), i, range(5)) for i, p in enumerate(params)]
+            reqs = [FakeReq(SamplingParams(**p), i, range(5)) for i, p in enumerate(params)]
             info = SamplingBatchInfo.from_reqs(reqs, vocab, "cpu", entropy)
             plan = None if entropy is None else info.entropy_plan("raw", 0)
             logits = torch.zeros(len(params), vocab, dtype=dtype)

@@ -173,7 +173,8 @@ def _intervals(
     SEARCH_K: tl.constexpr, SEARCH_P: tl.constexpr, SEARCH_E: tl.constexpr,
 ):  # fmt: skip
     """The row's three key intervals after ``launch`` search launches (0: the row's bounds),
-    and its log Z. Launch j left its intervals in slot j % 2 and its counts in totals[j]."""
+    then its max of x, its log Z and its largest logit. Launch j left its intervals in slot
+    j % 2 and its counts in totals[j]."""
     m_x, s_x, _, _, _, _, min_l, min_x, best_l, _, _ = _row_stats(
         part_ptr, part_idx_ptr, row, num_tiles, TILES, False, True, False
     )
@@ -203,7 +204,7 @@ def _intervals(
                 needed = (top_p * st.MASS_SCALE).to(tl.int64)
                 p_lo, p_hi = st.narrow(p_lo, p_hi, st.pivots_of(p_lo, p_hi, NUM),
                                        tl.load(totals + 2 * NUM) >= needed)  # fmt: skip
-    return k_lo, k_hi, p_lo, p_hi, e_lo, e_hi, log_z
+    return k_lo, k_hi, p_lo, p_hi, e_lo, e_hi, m_x, log_z, best_l
 
 
 @triton.jit(do_not_specialize=["launch", "num_rows"])
@@ -223,7 +224,7 @@ def _search_kernel(
         row, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, greedy_ptr, ent_modes_ptr,
         ent_top_ks_ptr, vocab_size, HAS_ENTROPY,
     )  # fmt: skip
-    k_lo, k_hi, p_lo, p_hi, e_lo, e_hi, log_z = _intervals(
+    k_lo, k_hi, p_lo, p_hi, e_lo, e_hi, _, log_z, _ = _intervals(
         launch, row, num_rows, part_ptr, part_idx_ptr, intervals_ptr, totals_ptr, num_tiles,
         top_k, top_p, ent_k, uses_k, uses_p, uses_ent_k,
         TILES, NUM, SEARCH_K, SEARCH_P, SEARCH_E,
@@ -273,18 +274,15 @@ def _final_kernel(
     records the row's (t, t_e) for the finish."""
     tile = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
-    temp, sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, ent_mode, ent_k, uses_ent_k = (
+    temp, _, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, ent_mode, ent_k, uses_ent_k = (
         _row_params(row, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, greedy_ptr,
                     ent_modes_ptr, ent_top_ks_ptr, vocab_size, HAS_ENTROPY)
     )  # fmt: skip
-    k_lo, _, p_lo, _, e_lo, _, _ = _intervals(
+    k_lo, _, p_lo, _, e_lo, _, m_x, _, best_l = _intervals(
         launches, row, num_rows, part_ptr, part_idx_ptr, intervals_ptr, totals_ptr, num_tiles,
         top_k, top_p, ent_k, uses_k, uses_p, uses_ent_k,
         TILES, NUM, HAS_TOP_K, HAS_TOP_P, HAS_ENT_TOP_K,
     )  # fmt: skip
-    m_x, _, _, _, _, _, _, _, best_l, _, _ = _row_stats(
-        part_ptr, part_idx_ptr, row, num_tiles, TILES, False, False, False
-    )
     thr = tl.full([], float("-inf"), tl.float32)
     if HAS_MIN_P:
         thr = tl.where(uses_min_p, m_x + tl.log(tl.where(uses_min_p, min_p, 1.0)), thr)

@@ -49,9 +49,20 @@ def run_server(server_args: ServerArgs) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     server_args = parse_server_args(argv)
-    from sglang.srt.entrypoints.http_server import launch_server
+    starting = None
+    if server_args.node_rank == 0:
+        # The engine's children start before the HTTP stack (torch, transformers, FastAPI) is
+        # imported here, so that their start-up and these imports overlap.
+        from sglang.srt.entrypoints.engine_processes import start_engine_children
 
-    launch_server(server_args)
+        starting = start_engine_children(server_args)
+    try:
+        from sglang.srt.entrypoints.http_server import launch_server
+    except BaseException:
+        if starting is not None:
+            starting.kill()
+        raise
+    launch_server(server_args, starting)
 
 
 if __name__ == "__main__":

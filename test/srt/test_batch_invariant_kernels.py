@@ -7,6 +7,7 @@ through ``sglang.Engine``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
@@ -213,18 +214,40 @@ def test_engine_triton_path_prefill_logprobs_equal_decode(triton_engine) -> None
     assert_prefill_logprobs_equal_decode(triton_engine, prompt, params)
 
 
-@pytest.mark.parametrize("capability", [80, 90])
-def test_every_triton_kernel_compiles_for_cuda(capability: int) -> None:
-    """No GPU here: compile to a cubin for sm_80/sm_90 (A100, H100) in a process where Triton
-    is not in interpreter mode, so a kernel that only the real compiler rejects fails CI."""
+CAPABILITIES = (80, 90)
+
+
+@pytest.fixture(scope="module")
+def cuda_compiles(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[int, str, str]]:
+    """cuda_compile_check.py run for each capability, the runs side by side (each is one
+    single-threaded compiler process); capability -> (exit code, stdout, stderr). Triton is not
+    in interpreter mode there, so a kernel that only the real compiler rejects fails CI."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton's current default, stated (silences a warning)
     script = Path(__file__).with_name("cuda_compile_check.py")
-    proc = subprocess.run(
-        [sys.executable, str(script), str(capability)], env=env, capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    compiled = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ok ")]
+    logs = tmp_path_factory.mktemp("cuda-compile")
+    procs = {}
+    with contextlib.ExitStack() as files:
+        for capability in CAPABILITIES:
+            out, err = (files.enter_context(open(logs / f"{capability}.{kind}", "w"))
+                        for kind in ("out", "err"))  # fmt: skip
+            procs[capability] = subprocess.Popen(
+                [sys.executable, str(script), str(capability)], env=env, stdout=out, stderr=err
+            )
+        codes = {capability: proc.wait() for capability, proc in procs.items()}
+    results = {}
+    for capability, code in codes.items():
+        out, err = ((logs / f"{capability}.{kind}").read_text() for kind in ("out", "err"))
+        results[capability] = (code, out, err)
+    return results
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_every_triton_kernel_compiles_for_cuda(cuda_compiles, capability: int) -> None:
+    """No GPU here: every kernel compiles to a cubin for sm_80/sm_90 (A100, H100)."""
+    code, stdout, stderr = cuda_compiles[capability]
+    assert code == 0, stderr[-3000:]
+    compiled = [line.split()[1] for line in stdout.splitlines() if line.startswith("ok ")]
     assert compiled.count("_paged_attention_kernel") == 10
     assert compiled.count("_split_kernel") == compiled.count("_merge_kernel") == 10
     assert compiled.count("_store_kv_kernel") == 2

@@ -14,6 +14,7 @@ import uvicorn
 from server_test_utils import free_port
 
 from sglang.srt.entrypoints import engine as engine_module
+from sglang.srt.entrypoints.engine_processes import kill_engine_processes
 from sglang.srt.entrypoints.http_server import (
     _GlobalState,
     _launch_subprocesses,
@@ -78,5 +79,5 @@ def test_verl_server_mode_serves_the_module_app(tiny_model_dir: Callable[..., Pa
     finally:
         server.should_exit = True
         thread.join(30)
-        engine_module.kill_engine_processes(processes, tokenizer_manager.port_args)
+        kill_engine_processes(processes, tokenizer_manager.port_args)
     assert not any(p.is_alive() for p in processes)

@@ -712,3 +712,12 @@ class PortArgs:
             scheduler_input_ipc_name=f"ipc://{base}/scheduler",
             detokenizer_ipc_name=f"ipc://{base}/detokenizer",
         )
+
+
+def rank_label(dp_rank: int | None, tp_rank: int, tp_size: int) -> str:
+    """How logs and errors name a scheduler rank: "DP rank 1", "TP rank 1", "DP rank 1 TP rank
+    0", or "" for the only scheduler."""
+    parts = ([] if dp_rank is None else [f"DP rank {dp_rank}"]) + (
+        [f"TP rank {tp_rank}"] if tp_size > 1 else []
+    )
+    return " ".join(parts)

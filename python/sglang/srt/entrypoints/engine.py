@@ -21,23 +21,22 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import multiprocessing as mp
 import os
-import shutil
 import signal
-import socket
 import threading
 import weakref
 from collections.abc import AsyncIterator, Coroutine, Iterator
-from multiprocessing import connection as mp_connection
-from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
 from sglang.srt.entrypoints import engine_weights, replies
-from sglang.srt.managers.detokenizer_manager import (
-    exit_when_parent_dies,
-    run_detokenizer_process,
+from sglang.srt.entrypoints.engine_processes import (
+    SHUTDOWN_STEP_TIMEOUT_S,
+    StartingChildren,
+    kill_processes,
+    remove_ipc_dir,
+    run_follower_node,
+    start_engine_children,
 )
 from sglang.srt.managers.io_struct import (
     ContinueGenerationReqInput,
@@ -56,19 +55,14 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightVersionReqInput,
 )
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
-from sglang.srt.server_args import PortArgs, ServerArgs
+from sglang.srt.server_args import ServerArgs
 from sglang.srt.server_args_upstream import server_args_from_kwargs
-from sglang.srt.utils import kill_process_tree
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
 
-# How often the launcher checks that its children are alive while the scheduler starts.
-_READY_POLL_S = 0.5
-# Upper bound on each step of shutdown, so that shutdown itself never hangs.
-_SHUTDOWN_STEP_TIMEOUT_S = 5.0
 _END = object()  # marks the end of a generate_request iterator across loops
 
 
@@ -87,112 +81,15 @@ async def _memory_call(
     return replies.memory_reply(out)
 
 
-def _run_scheduler_child(
-    server_args: ServerArgs,
-    port_args: PortArgs,
-    pipe_writer: Connection,
-    dp_rank: int | None = None,
-    tp_rank: int = 0,
-    dist_init_method: str | None = None,
-) -> None:
-    """Entry of the scheduler process: it follows the launcher's death, then runs.
-    ``dp_rank``: one data-parallel rank of ``server_args.dp_size``; ``tp_rank``: its rank in
-    the replica's tensor-parallel group, which meets at ``dist_init_method``."""
-    from sglang.srt.layers.batch_invariant import pin_cpu_blas_numerics
-    from sglang.srt.managers.scheduler_process import run_scheduler_process
-
-    if server_args.enable_deterministic_inference:
-        pin_cpu_blas_numerics()  # before the first GEMM of this process
-    exit_when_parent_dies()
-    run_scheduler_process(server_args, port_args, pipe_writer, dp_rank, tp_rank, dist_init_method)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _tp_init_methods(server_args: ServerArgs) -> list[str | None]:
-    """The rendezvous of each DP replica's TP group (None without TP): ``--dist-init-addr``
-    (its port + the DP rank), else a free local port per replica."""
-    if server_args.tp_size == 1:
-        return [None] * server_args.dp_size
-    if server_args.dist_init_addr is not None:
-        host, _, port = server_args.dist_init_addr.rpartition(":")
-        return [f"tcp://{host}:{int(port) + r}" for r in range(server_args.dp_size)]
-    return [f"tcp://127.0.0.1:{_free_port()}" for _ in range(server_args.dp_size)]
-
-
-def _scheduler_children(server_args: ServerArgs) -> list[tuple[str, str, Any, tuple]]:
-    """(process name, label, entry, extra args) of each scheduler rank on this node, DP rank 0
-    TP rank 0 first. Node k runs TP ranks k*tp/nnodes ... (k+1)*tp/nnodes - 1 of each replica."""
-    from sglang.srt.managers.scheduler_process import rank_label
-
-    dp, tp = server_args.dp_size, server_args.tp_size
-    per_node = tp // server_args.nnodes
-    first = server_args.node_rank * per_node
-    children = []
-    for dp_rank, init_method in enumerate(_tp_init_methods(server_args)):
-        for tp_rank in range(first, first + per_node):
-            name = "scheduler" + (f"-dp{dp_rank}" if dp > 1 else "") + (
-                f"-tp{tp_rank}" if tp > 1 else ""
-            )
-            label = rank_label(dp_rank if dp > 1 else None, tp_rank, tp) or f"sglang-{name}"
-            extra = (dp_rank if dp > 1 else None, tp_rank, init_method)
-            children.append((name, label, _run_scheduler_child, extra))
-    return children
-
-
-def _engine_children(server_args: ServerArgs) -> list[tuple[str, str, Any, tuple]]:
-    """(name, label, entry, extra args) of each child process; the scheduler (DP rank 0, TP
-    rank 0) first. A node other than node 0 runs only its scheduler ranks."""
-    from sglang.srt.managers.data_parallel_controller import (
-        run_data_parallel_controller_process,
-    )
-
-    children = _scheduler_children(server_args)
-    if server_args.node_rank > 0:
-        return children
-    if server_args.dp_size > 1:
-        children.append(
-            ("dp-controller", "sglang-dp-controller", run_data_parallel_controller_process, ())
-        )
-    return children + [("detokenizer", "sglang-detokenizer", run_detokenizer_process, ())]
-
-
-def _start_children(
-    server_args: ServerArgs, port_args: PortArgs
-) -> tuple[list[BaseProcess], dict[Connection, tuple[BaseProcess, str]]]:
-    """Start every child of this node; returns them and, per ready pipe, (process, label).
-    Appends to the returned list as it goes, so a failure midway kills what started."""
-    ctx = mp.get_context("spawn")
-    procs: list[BaseProcess] = []
-    readers: dict[Connection, tuple[BaseProcess, str]] = {}
-    try:
-        for name, label, target, extra in _engine_children(server_args):
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=target,
-                args=(server_args, port_args, writer, *extra),
-                name=f"sglang-{name}",
-            )
-            proc.start()
-            writer.close()  # the child's copy stays open: EOF on the reader means it died
-            procs.append(proc)
-            readers[reader] = (proc, label)
-    except BaseException:
-        _kill_processes(procs)
-        for reader in readers:
-            reader.close()
-        raise
-    return procs, readers
-
-
 def launch_engine_processes(
-    server_args: ServerArgs,
+    server_args: ServerArgs, starting: StartingChildren | None = None
 ) -> tuple[TokenizerManager, dict, list[BaseProcess]]:
     """Start the scheduler and detokenizer processes and build the TokenizerManager.
+
+    ``starting``: children already started by
+    :func:`~sglang.srt.entrypoints.engine_processes.start_engine_children` for these
+    ``server_args`` (the HTTP launcher starts them before its own imports); None starts them
+    here.
 
     Returns the manager (not started: call its ``start()`` inside the loop that will own it),
     the scheduler's ready info, and the child processes (the manager already watches them).
@@ -203,111 +100,21 @@ def launch_engine_processes(
     """
     if server_args.node_rank > 0:
         raise SystemExit(run_follower_node(server_args))
-    port_args = PortArgs.init_new()
-    procs: list[BaseProcess] = []
-    readers: dict[Connection, tuple[BaseProcess, str]] = {}
+    if starting is None:
+        starting = start_engine_children(server_args)
     try:
-        procs, readers = _start_children(server_args, port_args)
-        ready = _wait_for_ready(readers)
-        scheduler_info = ready[procs[0]]
-        tokenizer_manager = TokenizerManager(server_args, port_args, scheduler_info)
+        ready = starting.wait_ready()
+        procs = starting.procs
+        tokenizer_manager = TokenizerManager(server_args, starting.port_args, ready[procs[0]])
         tokenizer_manager.watch_processes(procs)
         if server_args.dp_size * server_args.tp_size > 1:
             from sglang.srt.managers.data_parallel_controller import start_group_watchdog
 
             start_group_watchdog(procs)
     except BaseException:
-        _kill_processes(procs)
-        remove_ipc_dir(port_args)
+        starting.kill()
         raise
-    finally:
-        for reader in readers:
-            reader.close()
-    return tokenizer_manager, scheduler_info, procs
-
-
-def run_follower_node(server_args: ServerArgs) -> int:
-    """Node ``--node-rank`` k > 0 of a multi-node engine: start this node's TP ranks (no HTTP,
-    no frontend: node 0 serves), wait until they exit and return the exit status: 0 when all
-    exited cleanly, 1 when one failed to start (logged as "TP rank R failed to start: ...")
-    or died. When one rank exits, the others are stopped (they would fail anyway: their
-    group lost a peer)."""
-    port_args = PortArgs.init_new()  # unused: ranks other than TP rank 0 open no socket
-    procs: list[BaseProcess] = []
-    readers: dict[Connection, tuple[BaseProcess, str]] = {}
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # a stop: clean up, exit 0
-    try:
-        procs, readers = _start_children(server_args, port_args)
-        _wait_for_ready(readers)
-        logger.info(
-            "Node %d: %s ready; serving until they exit",
-            server_args.node_rank, ", ".join(label for _, label in readers.values()),
-        )
-        ended = mp_connection.wait([proc.sentinel for proc in procs])
-        for proc in procs:
-            if proc.sentinel in ended:
-                proc.join(_SHUTDOWN_STEP_TIMEOUT_S)  # its exit code (the sentinel came first)
-        dead = [(proc, label) for proc, label in readers.values() if proc.exitcode is not None]
-        logger.error(
-            "Node %d: %s exited; stopping this node", server_args.node_rank,
-            ", ".join(f"{label} (exit code {proc.exitcode})" for proc, label in dead),
-        )
-        return 0 if all(proc.exitcode == 0 for proc, _ in dead) else 1
-    except RuntimeError as e:
-        logger.error("Node %d failed to start: %s", server_args.node_rank, e)
-        return 1
-    except KeyboardInterrupt:
-        logger.info("Node %d: stopping its ranks", server_args.node_rank)
-        return 0
-    finally:
-        _kill_processes(procs)
-        for reader in readers:
-            reader.close()
-        remove_ipc_dir(port_args)
-
-
-def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
-def _wait_for_ready(
-    readers: dict[Connection, tuple[BaseProcess, str]],
-) -> dict[BaseProcess, dict]:
-    """Each child's ready message (without its "status"), keyed by process.
-
-    Raises RuntimeError with the first error a child reports, or naming the child that exited
-    without reporting (by its label: "TP rank 1", "detokenizer", ...). Every child reports
-    through its own pipe, so the cause named is the failing child's own message whichever
-    process happens to exit first.
-    """
-    pending = dict(readers)
-    ready: dict[BaseProcess, dict] = {}
-    while pending:
-        for ready_reader in mp_connection.wait(list(pending), timeout=_READY_POLL_S):
-            assert isinstance(ready_reader, Connection), "we wait on pipe connections only"
-            proc, label = pending.pop(ready_reader)
-            try:
-                msg: dict[str, Any] = ready_reader.recv()
-            except EOFError:
-                proc.join(_SHUTDOWN_STEP_TIMEOUT_S)
-                raise RuntimeError(
-                    f"{label} exited with code {proc.exitcode} before reporting ready"
-                ) from None
-            if msg.get("status") != "ready":
-                raise RuntimeError(f"{label} failed to start: {msg.get('message')}")
-            ready[proc] = {k: v for k, v in msg.items() if k != "status"}
-    return ready
-
-
-def _kill_processes(procs: list[BaseProcess]) -> None:
-    """Kill each process with its descendants and reap it."""
-    for proc in procs:
-        if proc.pid is not None:
-            kill_process_tree(proc.pid)
-    for proc in procs:
-        if proc.pid is not None:
-            proc.join(_SHUTDOWN_STEP_TIMEOUT_S)
+    return tokenizer_manager, ready[procs[0]], procs
 
 
 # Upstream's launch API, which RL frameworks import from this module (launch_compat.py),
@@ -316,6 +123,7 @@ _LAZY_NAMES = {
     "_launch_subprocesses": "sglang.srt.entrypoints.launch_compat",
     "init_tokenizer_manager": "sglang.srt.entrypoints.launch_compat",
     "run_scheduler_process": "sglang.srt.managers.scheduler_process",
+    "run_detokenizer_process": "sglang.srt.managers.detokenizer_manager",
 }
 
 
@@ -325,18 +133,6 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_LAZY_NAMES[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def kill_engine_processes(procs: list[BaseProcess], port_args: PortArgs) -> None:
-    """Kill the engine's processes (with their descendants), then remove the IPC directory."""
-    _kill_processes(procs)
-    remove_ipc_dir(port_args)
-
-
-def remove_ipc_dir(port_args: PortArgs) -> None:
-    """Remove the private directory of the IPC sockets (after the processes are gone)."""
-    path = port_args.tokenizer_ipc_name.removeprefix("ipc://")
-    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 async def _anext(gen: AsyncIterator) -> Any:
@@ -784,16 +580,16 @@ class Engine:
         on_loop_thread = thread is threading.current_thread()
         if tm is not None and loop is not None and loop.is_running() and not on_loop_thread:
             try:
-                asyncio.run_coroutine_threadsafe(tm.close(), loop).result(_SHUTDOWN_STEP_TIMEOUT_S)
+                asyncio.run_coroutine_threadsafe(tm.close(), loop).result(SHUTDOWN_STEP_TIMEOUT_S)
             except Exception:
                 logger.warning("Closing the tokenizer manager failed", exc_info=True)
-        _kill_processes(self._procs)
+        kill_processes(self._procs)
         if tm is not None:
             remove_ipc_dir(tm.port_args)
         if loop is not None:
             loop.call_soon_threadsafe(loop.stop)
             if thread is not None and not on_loop_thread:
-                thread.join(_SHUTDOWN_STEP_TIMEOUT_S)
+                thread.join(SHUTDOWN_STEP_TIMEOUT_S)
                 if not loop.is_running():
                     loop.close()
 

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 import sglang
 from sglang.srt.entrypoints import replies
+from sglang.srt.entrypoints.engine_processes import StartingChildren
 from sglang.srt.entrypoints.http_compat import router as compat_router
 from sglang.srt.entrypoints.http_guard import (
     GuardMiddleware,
@@ -520,11 +521,14 @@ def set_global_state(global_state: _GlobalState) -> None:
             tokenizer_manager.watched_processes, global_state.scheduler_info, ready=True)
 
 
-def launch_server(server_args: ServerArgs) -> None:
+def launch_server(server_args: ServerArgs, starting: StartingChildren | None = None) -> None:
     """Start the engine processes and serve HTTP until interrupted (blocks).
 
-    The engine processes are killed on exit, however the server stops. Raises SystemExit(1),
-    after logging why, when the engine fails to start or the warm-up generation fails.
+    ``starting``: the engine's children, already started for ``server_args`` by
+    :func:`~sglang.srt.entrypoints.engine_processes.start_engine_children` (None: start them
+    here). The engine processes are killed on exit, however the server stops. Raises
+    SystemExit(1), after logging why, when the engine fails to start or the warm-up generation
+    fails.
     """
     import uvicorn
 
@@ -532,7 +536,9 @@ def launch_server(server_args: ServerArgs) -> None:
 
     configure_logger(server_args.log_level)
     try:
-        tokenizer_manager, scheduler_info, processes = launch_engine_processes(server_args)
+        tokenizer_manager, scheduler_info, processes = launch_engine_processes(
+            server_args, starting
+        )
     except RuntimeError as e:
         logger.error("The engine failed to start: %s", e)
         raise SystemExit(1) from None

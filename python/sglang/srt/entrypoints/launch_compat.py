@@ -84,10 +84,8 @@ def _launch_subprocesses(
     last element). Raises ValueError for a process function that is not this build's own,
     RuntimeError when a process fails to start (none is left running then).
     """
-    from sglang.srt.entrypoints.engine import (
-        kill_engine_processes,
-        launch_engine_processes,
-    )
+    from sglang.srt.entrypoints.engine import launch_engine_processes
+    from sglang.srt.entrypoints.engine_processes import kill_engine_processes
 
     given = {
         "init_tokenizer_manager_func": init_tokenizer_manager_func,

@@ -8,7 +8,6 @@ from torch import nn
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
-@torch.compiler.disable
 def _run_backend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -16,10 +15,11 @@ def _run_backend(
     layer: RadixAttention,
     forward_batch: ForwardBatch,
 ) -> torch.Tensor:
-    """The backend's attention step, never traced: a compiled decoder layer
-    (``--enable-torch-compile``) calls it as one opaque step between its graphs, and the
-    backends' Python (metadata, per-request loops, the decode mirror's bookkeeping) stays eager.
-    The wrapper costs ~0.6 us a call when nothing is compiled."""
+    """The backend's attention step. It is never traced: ``--enable-torch-compile`` compiles a
+    decoder layer's ``pre_attention`` and ``post_attention`` hooks only, and the layer calls
+    attention between them (model_executor/cpu_torch_compile.py), so the backends' Python stays
+    eager. (No ``torch.compiler.disable`` here: that decorator imports torch._dynamo, ~0.9 s of
+    every scheduler's start-up.)"""
     if forward_batch.attn_backend is None:
         raise RuntimeError("forward_batch.attn_backend is not set")
     return forward_batch.attn_backend.forward(q, k, v, layer, forward_batch)

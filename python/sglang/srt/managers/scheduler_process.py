@@ -46,7 +46,7 @@ from sglang.srt.managers.tp_group_io import (
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.managers.weight_state import WeightState
 from sglang.srt.mem_cache import create_prefix_cache
-from sglang.srt.server_args import PortArgs, ServerArgs
+from sglang.srt.server_args import PortArgs, ServerArgs, rank_label
 from sglang.srt.utils import configure_logger, dumps, get_zmq_socket, loads
 from sglang.srt.utils.gc_freeze import freeze_startup_heap
 
@@ -117,15 +117,6 @@ def _dp_senders(
         sock.send_multipart([rank, DP_REPLY, dumps(msg)])
 
     return send_output, send_reply
-
-
-def rank_label(dp_rank: int | None, tp_rank: int, tp_size: int) -> str:
-    """How logs and errors name a scheduler rank: "DP rank 1", "TP rank 1", "DP rank 1 TP rank
-    0", or "" for the only scheduler."""
-    parts = ([] if dp_rank is None else [f"DP rank {dp_rank}"]) + (
-        [f"TP rank {tp_rank}"] if tp_size > 1 else []
-    )
-    return " ".join(parts)
 
 
 class SchedulerProcess:

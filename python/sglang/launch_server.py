@@ -12,6 +12,7 @@ ranks only, without HTTP, until they exit (docs/distributed.md).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from sglang.srt.server_args import ServerArgs
@@ -47,6 +48,10 @@ def run_server(server_args: ServerArgs) -> None:
     launch_server(server_args)
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     server_args = parse_server_args(argv)
     starting = None
@@ -56,6 +61,9 @@ def main(argv: list[str] | None = None) -> None:
         from sglang.srt.entrypoints.engine_processes import start_engine_children
 
         starting = start_engine_children(server_args)
+        # Until the server installs its own handler: SIGTERM unwinds, so that the children
+        # are killed and the IPC directory removed (the default action would leave it).
+        signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         from sglang.srt.entrypoints.http_server import launch_server
     except BaseException:

@@ -13,6 +13,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from engine_test_utils import MAX_NEW, REFERENCE_REQUEST, reference_ids
-from server_test_utils import ServerProcess
+from server_test_utils import ServerProcess, free_port
 
 from sglang.srt.entrypoints.engine import _make_request
 from sglang.srt.managers.detokenizer_manager import DetokenizerManager
@@ -391,6 +394,32 @@ def test_sigterm_answers_in_flight_requests_and_removes_the_ipc_dir(
     assert events[-1] == "data: [DONE]"
     assert "shutting down" in json.loads(events[-2][len("data: ") :])["error"]["message"]
     assert ipc_dirs() == []
+
+
+def test_sigterm_during_start_up_kills_the_children_and_removes_the_ipc_dir(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The launcher starts the engine's children before its own imports: a SIGTERM from then
+    until the server runs still ends every child and removes the IPC directory."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
+         "--port", str(free_port())], env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while len(children := psutil.Process(launcher.pid).children()) < 2:
+            assert time.monotonic() < deadline and launcher.poll() is None
+            time.sleep(0.05)
+        assert [p for p in tmp_path.iterdir() if p.name.startswith("sglang-")]
+        os.kill(launcher.pid, signal.SIGTERM)
+        assert launcher.wait(30) == 128 + signal.SIGTERM
+    finally:
+        launcher.kill()
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert alive == []
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("sglang-")] == []
 
 
 # ---- fault isolation in the detokenizer ---------------------------------------------------------

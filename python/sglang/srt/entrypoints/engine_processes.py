@@ -257,14 +257,14 @@ class StartingChildren:
             self.close_pipes()
 
     def close_pipes(self) -> None:
+        """Close this side of the ready pipes (idempotent)."""
         for reader in self.readers:
             reader.close()
 
     def kill(self) -> None:
         """Kill the children (with their descendants) and remove the IPC directory."""
-        kill_processes(self.procs)
         self.close_pipes()
-        remove_ipc_dir(self.port_args)
+        kill_engine_processes(self.procs, self.port_args)
 
 
 def start_engine_children(server_args: ServerArgs) -> StartingChildren:

@@ -55,6 +55,25 @@ def test_help_does_not_import_torch() -> None:
     assert "TORCH=False" in result.stderr
 
 
+def test_the_engine_children_start_before_the_heavy_imports() -> None:
+    """The launcher spawns the engine's children before it imports torch and transformers, so
+    that their start-up overlaps its imports (docs/architecture.md): what it imports to start
+    them (every kind of child: schedulers, DP controller, detokenizer) must stay light."""
+    code = (
+        "import sys\n"
+        "import sglang.launch_server\n"
+        "from sglang.srt import server_args\n"
+        "from sglang.srt.entrypoints import engine_processes\n"
+        "server_args._GPU_DRIVER_PATHS = ('/nonexistent',)  # a host without a GPU driver\n"
+        "args = server_args.ServerArgs(model_path='m', dp_size=2)\n"
+        "engine_processes._engine_children(args)\n"
+        "sys.stderr.write(args.device + ' HEAVY=' + str(sorted({'torch', 'transformers',"
+        " 'fastapi'} & set(sys.modules))))\n"
+    )
+    result = _run_cli(code=code)
+    assert "cpu HEAVY=[]" in result.stderr, result.stderr[-2000:]
+
+
 def test_issue_flags_are_accepted() -> None:
     args = parse_server_args([
         "--model", "m", "--tokenizer-path", "t", "--host", "0.0.0.0", "--port", "1234",

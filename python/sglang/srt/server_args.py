@@ -528,8 +528,6 @@ class ServerArgs:
 
     def _resolve_lora(self) -> None:
         """Normalise --lora-paths to ['name=path', ...] and check the LoRA block."""
-        from sglang.srt.lora.adapter import normalize_target_modules
-
         self.lora_paths = _lora_path_entries(self.lora_paths)
         if self.lora_paths:
             self.enable_lora = True
@@ -545,6 +543,8 @@ class ServerArgs:
             len(self.lora_paths) > self.max_loaded_loras
         ):
             raise ValueError("--lora-paths names more adapters than --max-loaded-loras")
+        from sglang.srt.lora.adapter import normalize_target_modules  # imports torch
+
         normalize_target_modules(self.lora_target_modules)  # ValueError when unknown
 
     def lora_path_dict(self) -> dict[str, str]:
@@ -690,7 +690,19 @@ def _lora_path_entries(value: Any) -> list[str] | None:
     return [f"{k}={v}" for k, v in entries.items()]
 
 
+# Device nodes of the GPU drivers torch.cuda can use: NVIDIA's, ROCm's (/dev/kfd) and WSL2's
+# (/dev/dxg). Without any of them torch.cuda.is_available() is False.
+_GPU_DRIVER_PATHS = (
+    "/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg"
+)
+
+
 def _default_device() -> str:
+    """"cuda" when torch sees a GPU, else "cpu". A host without a GPU driver answers without
+    importing torch (~1 s): the launcher parses its flags, and so resolves the device, before it
+    starts the engine's children, which then start while it imports torch."""
+    if not any(os.path.exists(path) for path in _GPU_DRIVER_PATHS):
+        return "cpu"
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"

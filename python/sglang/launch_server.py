@@ -48,22 +48,21 @@ def run_server(server_args: ServerArgs) -> None:
     launch_server(server_args)
 
 
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> None:
     server_args = parse_server_args(argv)
     starting = None
     if server_args.node_rank == 0:
         # The engine's children start before the HTTP stack (torch, transformers, FastAPI) is
         # imported here, so that their start-up and these imports overlap.
-        from sglang.srt.entrypoints.engine_processes import start_engine_children
+        from sglang.srt.entrypoints.engine_processes import exit_on_signal, start_engine_children
 
+        # Until the server installs its own handler, SIGTERM stops the children started so far
+        # and removes the IPC directory (the default action would leave them to notice the
+        # launcher's death, and the directory behind): by unwinding while they are spawned,
+        # then from the handler itself.
+        signal.signal(signal.SIGTERM, exit_on_signal)
         starting = start_engine_children(server_args)
-        # Until the server installs its own handler: SIGTERM unwinds, so that the children
-        # are killed and the IPC directory removed (the default action would leave it).
-        signal.signal(signal.SIGTERM, _exit_on_signal)
+        starting.kill_on_sigterm()
     try:
         from sglang.srt.entrypoints.http_server import launch_server
     except BaseException:

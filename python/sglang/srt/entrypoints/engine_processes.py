@@ -187,6 +187,11 @@ def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def exit_on_signal(signum: int, frame: object) -> None:
+    """A signal handler that unwinds (``finally`` blocks run) with exit status 128 + signum."""
+    raise SystemExit(128 + signum)
+
+
 def _wait_for_ready(
     readers: dict[Connection, tuple[BaseProcess, str]],
 ) -> dict[BaseProcess, dict]:
@@ -265,6 +270,19 @@ class StartingChildren:
         """Kill the children (with their descendants) and remove the IPC directory."""
         self.close_pipes()
         kill_engine_processes(self.procs, self.port_args)
+
+    def kill_on_sigterm(self) -> None:
+        """From now until another handler replaces it, SIGTERM kills the children, removes the
+        IPC directory and then ends this process by the signal, as the default action would.
+        (A handler that raised instead could be swallowed by the code it interrupts, such as a
+        third-party module being imported that catches every exception.)"""
+
+        def handler(signum: int, frame: object) -> None:
+            self.kill()
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+        signal.signal(signal.SIGTERM, handler)
 
 
 def start_engine_children(server_args: ServerArgs) -> StartingChildren:

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 import sglang
 from sglang.srt.entrypoints import replies
-from sglang.srt.entrypoints.engine_processes import StartingChildren
+from sglang.srt.entrypoints.engine_processes import StartingChildren, exit_on_signal
 from sglang.srt.entrypoints.http_compat import router as compat_router
 from sglang.srt.entrypoints.http_guard import (
     GuardMiddleware,
@@ -429,10 +429,6 @@ async def _drain(outputs: AsyncIterator[Any]) -> None:
         pass
 
 
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def _read_chat_template(path: str | None) -> str | None:
     if path is None:
         return None
@@ -553,7 +549,7 @@ def launch_server(server_args: ServerArgs, starting: StartingChildren | None = N
         app.state.uvicorn_server = server
         # uvicorn shuts down gracefully on SIGTERM, then re-raises it under the previous
         # handler; the default one would end the process before the engine is killed below.
-        signal.signal(signal.SIGTERM, _exit_on_signal)
+        signal.signal(signal.SIGTERM, exit_on_signal)
         server.run()
     finally:
         for proc in processes:

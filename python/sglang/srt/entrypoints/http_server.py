@@ -25,7 +25,11 @@ from pydantic import BaseModel, ConfigDict
 
 import sglang
 from sglang.srt.entrypoints import replies
-from sglang.srt.entrypoints.engine_processes import StartingChildren, exit_on_signal
+from sglang.srt.entrypoints.engine_processes import (
+    StartingChildren,
+    exit_on_signal,
+    kill_engine_processes,
+)
 from sglang.srt.entrypoints.http_compat import router as compat_router
 from sglang.srt.entrypoints.http_guard import (
     GuardMiddleware,
@@ -64,7 +68,7 @@ from sglang.srt.managers.tokenizer_manager_protocol import (
 )
 from sglang.srt.metrics import NoMetrics, ServerMetrics
 from sglang.srt.server_args import ServerArgs
-from sglang.srt.utils import configure_logger, kill_process_tree
+from sglang.srt.utils import configure_logger
 from sglang.srt.utils.gc_freeze import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
@@ -528,7 +532,7 @@ def launch_server(server_args: ServerArgs, starting: StartingChildren | None = N
     """
     import uvicorn
 
-    from sglang.srt.entrypoints.engine import launch_engine_processes, remove_ipc_dir
+    from sglang.srt.entrypoints.engine import launch_engine_processes
 
     configure_logger(server_args.log_level)
     try:
@@ -552,9 +556,6 @@ def launch_server(server_args: ServerArgs, starting: StartingChildren | None = N
         signal.signal(signal.SIGTERM, exit_on_signal)
         server.run()
     finally:
-        for proc in processes:
-            if proc.pid is not None:
-                kill_process_tree(proc.pid)
-        remove_ipc_dir(tokenizer_manager.port_args)
+        kill_engine_processes(processes, tokenizer_manager.port_args)
     if app.state.failed:
         raise SystemExit(1)

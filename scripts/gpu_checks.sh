@@ -8,8 +8,9 @@
 # LOG_DIR (default: gpu-logs). SMOL_DIR (default models/SmolLM2-135M-Instruct) is the model
 # benchmarked; a directory holding only its config.json and tokenizer files gets random
 # weights of that shape first (speed does not depend on the values). Environment: WHEEL_DIR,
-# a folder of wheels installed first (for a machine without a registry); PARTS, the parts to
-# run (default: all, "tests bench steps steps-eager sampling launch suites").
+# a folder of wheels installed first (for a machine without a registry: scripts/gpu_wheels.sh
+# downloads them); PARTS, the parts to run (default: all, "tests bench steps steps-eager
+# sampling launch suites").
 #
 # On an H100 the tests part takes about 4 minutes (each test starts its own engines), the
 # suites about 3-4, the benchmarks together about 4 (--cuda-graph-compare's torch_native run

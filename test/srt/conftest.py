@@ -154,9 +154,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pa
 def engine(tiny_model_dir: Callable[..., Path]) -> Iterator[Any]:
     """An ``sglang.Engine`` on the tiny random Llama (``random_seed=0``), one per test module.
     A module that needs other engine arguments defines its own ``engine`` fixture instead."""
+    from engine_test_utils import CUDA_POOL
+
     import sglang as sgl  # here, not at the top: TRITON_INTERPRET must be set first
 
-    with sgl.Engine(model_path=str(tiny_model_dir("llama")), random_seed=0) as eng:
+    with sgl.Engine(model_path=str(tiny_model_dir("llama")), random_seed=0, **CUDA_POOL) as eng:
         yield eng
 
 

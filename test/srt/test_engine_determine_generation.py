@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from engine_test_utils import (
+    CUDA_POOL,
     MAX_NEW,
     engine_state,
     ids_and_logprobs,
@@ -28,7 +29,10 @@ PARAMS = {
 def engine(tiny_model_dir):
     """Overrides conftest's ``engine``: deterministic inference."""
     with sgl.Engine(
-        model_path=str(tiny_model_dir("llama")), enable_deterministic_inference=True, random_seed=0
+        model_path=str(tiny_model_dir("llama")),
+        enable_deterministic_inference=True,
+        random_seed=0,
+        **CUDA_POOL,
     ) as eng:
         yield eng
 

@@ -143,23 +143,28 @@ def test_backends_match_contract(kernel, dtype: torch.dtype, vocab: int, num_row
         assert got.entropies is not None and bool(torch.isfinite(got.entropies).all())
 
 
-@pytest.mark.parametrize("num_pivots", [16, 256])
+@pytest.mark.parametrize("num_pivots", [8, 16])
 def test_rows_cut_into_many_tiles_match_contract(kernel, monkeypatch, num_pivots: int):
     """The GPU's layout at a small scale: rows of 1,000 logits in 8 tiles of 128 columns, so the
     tiles' partials, their merge and the atomic search counts all run (by default the
     interpreter puts such a row in one tile). The special rows put ties of the maximum in
-    different tiles and mask whole tiles; the last row spans almost every int32 key, so the
-    search needs all of its launches."""
+    different tiles and mask whole tiles; the "wide" row spans almost every int32 key, so the
+    search needs all of its launches. The descending rows put the largest logits in the first
+    tiles, whole tiles above the top-k / top-p threshold: those are counted without compares."""
     vocab, block = 1000, 128
     tiling = kernel._Tiling(block, 32, 8, 8, num_pivots, kernel._search_launches(num_pivots))
     monkeypatch.setattr(kernel, "_tiling", lambda device, vocab_size: tiling)
-    num_rows = 6
-    logits = special_rows(num_rows - 1, vocab, torch.Generator().manual_seed(num_pivots))
+    logits = special_rows(5, vocab, torch.Generator().manual_seed(num_pivots))
     wide = torch.linspace(-1e30, 1e30, vocab)[torch.randperm(vocab, generator=torch.Generator())]
-    logits = on_device(torch.cat([logits, wide[None]]))
-    params = [TRUNCATIONS[(i * 5 + 1) % len(TRUNCATIONS)] for i in range(num_rows - 1)]
+    ramp = torch.linspace(6.0, -6.0, vocab)
+    logits = on_device(torch.cat([logits, wide[None], ramp[None], ramp[None], ramp[None]]))
+    params = [TRUNCATIONS[(i * 5 + 1) % len(TRUNCATIONS)] for i in range(5)]
     params.append({"temperature": 1.0, "top_k": 20})
-    specs = [ENTROPY_SPECS[i % len(ENTROPY_SPECS)] for i in range(num_rows)]
+    params.append({"temperature": 1.0, "top_k": 400})
+    params.append({"temperature": 0.5, "top_p": 0.999})
+    params.append({"temperature": 1.0, "top_k": 300, "top_p": 0.995})
+    specs = [ENTROPY_SPECS[i % len(ENTROPY_SPECS)] for i in range(6)]
+    specs += [("sampled", 0), ("sampled", 0), ("raw", 300)]  # entropy of the kept set; top-k
     info = make_info(params, vocab, specs)
     plan = info.entropy_plan("raw", 0)
     got = kernel.sample_triton(logits, info, True, None, plan)

@@ -154,30 +154,56 @@ def pivots_of(lo, hi, NUM: tl.constexpr):
 
 
 @triton.jit
-def count_tile(row_ptr, begin, end, temp, log_z, k_piv, p_piv, e_piv, k_on, p_on, e_on,
-               SEARCH_BLOCK: tl.constexpr, NUM: tl.constexpr, SEARCH_K: tl.constexpr,
-               SEARCH_P: tl.constexpr, SEARCH_E: tl.constexpr):  # fmt: skip
+def tile_keys(part_ptr):
+    """The (min, max) sort keys of a tile's logits and of its x = logits / T, from the stats
+    pass's partials at ``part_ptr`` (the minima are written when the batch searches)."""
+    min_l = sort_key(tl.load(part_ptr + MIN_L)).to(tl.int64)
+    max_l = sort_key(tl.load(part_ptr + BEST_L)).to(tl.int64)
+    min_x = sort_key(tl.load(part_ptr + MIN_X)).to(tl.int64)
+    max_x = sort_key(tl.load(part_ptr + X)).to(tl.int64)
+    return min_l, max_l, min_x, max_x
+
+
+@triton.jit
+def count_tile(row_ptr, begin, end, temp, log_z, k_piv, p_piv, e_piv, k_cmp, p_cmp, e_cmp,
+               k_above, p_above, e_above, SEARCH_BLOCK: tl.constexpr, NUM: tl.constexpr,
+               SEARCH_K: tl.constexpr, SEARCH_P: tl.constexpr,
+               SEARCH_E: tl.constexpr):  # fmt: skip
     """Over columns [begin, end): per pivot, the count of logits whose key is >= the pivot
     (top-k, entropy top-k) and the fixed-point probability mass of x >= the pivot (top-p).
-    Pivots exceed the key of -inf, so padding columns (-inf) never count."""
+
+    A search compares only where its ``*_cmp`` flag says the tile's keys overlap its interval.
+    Where ``*_above`` says every key of the tile is above the interval (so above every pivot),
+    a count is the tile's column count without reading it, and the mass is the tile's total
+    (each column's mass truncated as in the compare, so the sum is the same integer). Otherwise
+    the tile adds nothing. Compares accumulate elementwise into [SEARCH_BLOCK, NUM] and are
+    reduced once at the end. Pivots exceed the key of -inf, so padding columns never count."""
     k_piv32, p_piv32, e_piv32 = k_piv.to(tl.int32), p_piv.to(tl.int32), e_piv.to(tl.int32)
-    k_count = tl.zeros([NUM], dtype=tl.int32)
-    e_count = tl.zeros([NUM], dtype=tl.int32)
-    p_mass = tl.zeros([NUM], dtype=tl.int64)
-    for start in range(begin, end, SEARCH_BLOCK):
+    k_acc = tl.zeros([SEARCH_BLOCK, NUM], dtype=tl.int32)
+    e_acc = tl.zeros([SEARCH_BLOCK, NUM], dtype=tl.int32)
+    p_acc = tl.zeros([SEARCH_BLOCK, NUM], dtype=tl.int64)
+    p_all = tl.zeros([SEARCH_BLOCK], dtype=tl.int64)
+    stop = tl.where(k_cmp | e_cmp | p_cmp | p_above, end, begin)
+    for start in range(begin, stop, SEARCH_BLOCK):
         cols = start + tl.arange(0, SEARCH_BLOCK)
         logit = tl.load(row_ptr + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
         l_key = sort_key(logit)[:, None]
         if SEARCH_K:  # noqa: SIM102 (constexpr guard: compiled out)
-            if k_on:
-                k_count += tl.sum((l_key >= k_piv32[None, :]).to(tl.int32), axis=0)
+            if k_cmp:
+                k_acc += (l_key >= k_piv32[None, :]).to(tl.int32)
         if SEARCH_E:  # noqa: SIM102 (constexpr guard: compiled out)
-            if e_on:
-                e_count += tl.sum((l_key >= e_piv32[None, :]).to(tl.int32), axis=0)
+            if e_cmp:
+                e_acc += (l_key >= e_piv32[None, :]).to(tl.int32)
         if SEARCH_P:  # noqa: SIM102 (constexpr guard: compiled out)
-            if p_on:
+            if p_cmp | p_above:
                 x = tl.math.div_rn(logit, temp)
-                mass = (tl.exp(x - log_z) * MASS_SCALE).to(tl.int64)[:, None]
-                above = sort_key(x)[:, None] >= p_piv32[None, :]
-                p_mass += tl.sum(tl.where(above, mass, 0), axis=0)
-    return k_count.to(tl.int64), e_count.to(tl.int64), p_mass
+                mass = (tl.exp(x - log_z) * MASS_SCALE).to(tl.int64)
+                if p_cmp:
+                    above = sort_key(x)[:, None] >= p_piv32[None, :]
+                    p_acc += tl.where(above, mass[:, None], 0)
+                else:
+                    p_all += mass
+    columns = (end - begin).to(tl.int64)
+    k_count = tl.sum(k_acc, axis=0).to(tl.int64) + tl.where(k_above, columns, 0)
+    e_count = tl.sum(e_acc, axis=0).to(tl.int64) + tl.where(e_above, columns, 0)
+    return k_count, e_count, tl.sum(p_acc, axis=0) + tl.sum(p_all, axis=0)

@@ -176,34 +176,38 @@ def count_tile(row_ptr, begin, end, temp, log_z, k_piv, p_piv, e_piv, k_cmp, p_c
     Where ``*_above`` says every key of the tile is above the interval (so above every pivot),
     a count is the tile's column count without reading it, and the mass is the tile's total
     (each column's mass truncated as in the compare, so the sum is the same integer). Otherwise
-    the tile adds nothing. Compares accumulate elementwise into [SEARCH_BLOCK, NUM] and are
+    the tile adds nothing. Compares accumulate elementwise into [NUM, SEARCH_BLOCK] and are
     reduced once at the end. Pivots exceed the key of -inf, so padding columns never count."""
-    k_piv32, p_piv32, e_piv32 = k_piv.to(tl.int32), p_piv.to(tl.int32), e_piv.to(tl.int32)
-    k_acc = tl.zeros([SEARCH_BLOCK, NUM], dtype=tl.int32)
-    e_acc = tl.zeros([SEARCH_BLOCK, NUM], dtype=tl.int32)
-    p_acc = tl.zeros([SEARCH_BLOCK, NUM], dtype=tl.int64)
+    # [NUM, SEARCH_BLOCK] (pivots x columns): Triton's default layout then gives each thread
+    # whole columns with every pivot in its registers, so a column's key is compared where it
+    # was loaded (no per-step layout exchange through shared memory).
+    k_piv32 = k_piv.to(tl.int32)[:, None]
+    p_piv32 = p_piv.to(tl.int32)[:, None]
+    e_piv32 = e_piv.to(tl.int32)[:, None]
+    k_acc = tl.zeros([NUM, SEARCH_BLOCK], dtype=tl.int32)
+    e_acc = tl.zeros([NUM, SEARCH_BLOCK], dtype=tl.int32)
+    p_acc = tl.zeros([NUM, SEARCH_BLOCK], dtype=tl.int64)
     p_all = tl.zeros([SEARCH_BLOCK], dtype=tl.int64)
     stop = tl.where(k_cmp | e_cmp | p_cmp | p_above, end, begin)
     for start in range(begin, stop, SEARCH_BLOCK):
         cols = start + tl.arange(0, SEARCH_BLOCK)
         logit = tl.load(row_ptr + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
-        l_key = sort_key(logit)[:, None]
+        l_key = sort_key(logit)[None, :]
         if SEARCH_K:  # noqa: SIM102 (constexpr guard: compiled out)
             if k_cmp:
-                k_acc += (l_key >= k_piv32[None, :]).to(tl.int32)
+                k_acc += (l_key >= k_piv32).to(tl.int32)
         if SEARCH_E:  # noqa: SIM102 (constexpr guard: compiled out)
             if e_cmp:
-                e_acc += (l_key >= e_piv32[None, :]).to(tl.int32)
+                e_acc += (l_key >= e_piv32).to(tl.int32)
         if SEARCH_P:  # noqa: SIM102 (constexpr guard: compiled out)
             if p_cmp | p_above:
                 x = tl.math.div_rn(logit, temp)
                 mass = (tl.exp(x - log_z) * MASS_SCALE).to(tl.int64)
                 if p_cmp:
-                    above = sort_key(x)[:, None] >= p_piv32[None, :]
-                    p_acc += tl.where(above, mass[:, None], 0)
+                    p_acc += tl.where(sort_key(x)[None, :] >= p_piv32, mass[None, :], 0)
                 else:
                     p_all += mass
     columns = (end - begin).to(tl.int64)
-    k_count = tl.sum(k_acc, axis=0).to(tl.int64) + tl.where(k_above, columns, 0)
-    e_count = tl.sum(e_acc, axis=0).to(tl.int64) + tl.where(e_above, columns, 0)
-    return k_count, e_count, tl.sum(p_acc, axis=0) + tl.sum(p_all, axis=0)
+    k_count = tl.sum(k_acc, axis=1).to(tl.int64) + tl.where(k_above, columns, 0)
+    e_count = tl.sum(e_acc, axis=1).to(tl.int64) + tl.where(e_above, columns, 0)
+    return k_count, e_count, tl.sum(p_acc, axis=1) + tl.sum(p_all, axis=0)

@@ -135,6 +135,8 @@ def test_decode_batch_vectorized() -> None:
     assert pre is not None
     last = [int(pre[3]), int(pre[9]), int(pre[10])]
     assert alloc.num_pages_needed_decode([5, 7, 2]) == 1
+    assert alloc.num_pages_needed_decode(torch.tensor([5, 7, 2])) == 1
+    assert alloc.num_pages_needed_decode([1, 5, 9, 2, 4]) == 3  # positions 0, 4, 8
     out = alloc.alloc_decode([5, 7, 2], last)
     assert out is not None
     o = out.tolist()
@@ -144,6 +146,8 @@ def test_decode_batch_vectorized() -> None:
 
 def test_page_size_one_decode() -> None:
     alloc = make(8, 1)
+    assert alloc.num_pages_needed_decode([3, 9, 2]) == 3
+    assert alloc.num_pages_needed_decode(torch.tensor([3, 9, 2])) == 3
     out = alloc.alloc_decode([3, 9, 2], [1, 2, 3])
     assert out is not None and len(set(out.tolist())) == 3
     assert alloc.available_size() == 5

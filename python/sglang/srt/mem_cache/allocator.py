@@ -32,6 +32,11 @@ def _cpu_long(values: IntSeq) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64).reshape(-1)
 
 
+def _count(values: IntSeq) -> int:
+    """How many ints ``values`` holds (a list or a tensor), without building a tensor."""
+    return values.numel() if isinstance(values, torch.Tensor) else len(values)
+
+
 def _segment_ids(lengths: torch.Tensor) -> torch.Tensor:
     """``[0]*lengths[0] + [1]*lengths[1] + ...`` (a CPU repeat_interleave that stays cheap)."""
     total = int(lengths.sum())
@@ -96,7 +101,13 @@ class TokenToKVPoolAllocator:
 
     def num_pages_needed_decode(self, seq_lens: IntSeq) -> int:
         """Pages ``alloc_decode(seq_lens, ...)`` would take. Does not mutate."""
-        return int(((_cpu_long(seq_lens) - 1) % self.page_size == 0).sum())
+        ps = self.page_size
+        if ps == 1:
+            return _count(seq_lens)
+        if isinstance(seq_lens, torch.Tensor):
+            return int(((_cpu_long(seq_lens) - 1) % ps == 0).sum())
+        # A batch's list: a loop costs less than building a tensor (called every decode step).
+        return sum(1 for n in seq_lens if (n - 1) % ps == 0)
 
     # ------------------------------------------------------------------ allocation
 
@@ -167,10 +178,10 @@ class TokenToKVPoolAllocator:
         the new position starts a page; otherwise the slot is ``last_locs[i] + 1``. ``last_locs``
         may be a device tensor (no host sync then). Returns None, taking nothing, when short.
         """
-        seq = _cpu_long(seq_lens)
         ps = self.page_size
         if ps == 1:
-            return self._take_pages(seq.numel())
+            return self._take_pages(_count(seq_lens))
+        seq = _cpu_long(seq_lens)
         needs_page = (seq - 1) % ps == 0
         pages = self._take_pages(int(needs_page.sum()))
         if pages is None:

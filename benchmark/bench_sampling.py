@@ -11,6 +11,11 @@ CPU it is the torch reference (``pytorch``). Ratios compare timings of the same 
 
     python benchmark/bench_sampling.py                      # B in {1, 64, 256}
     python benchmark/bench_sampling.py --batch-sizes 1 8 --repeats 5
+    python benchmark/bench_sampling.py --search-pivots 4 8 16   # tune the triton search
+
+``--search-pivots`` (triton backend) instead times the ``trunc`` workload with each pivot count
+per search launch (docs/sampling.md), interleaved, next to the naive sequence: the numbers
+from which the kernel's GPU pivot count was chosen. The results do not depend on the count.
 """
 
 from __future__ import annotations
@@ -104,6 +109,41 @@ def bench_one(args: argparse.Namespace, batch: int, name: str) -> str:
     )
 
 
+def bench_pivots(args: argparse.Namespace, batch: int) -> str:
+    """``trunc`` at ``batch`` rows with each of ``args.search_pivots`` pivots per search launch,
+    timed interleaved; one line of ms per count, then the naive sequence's."""
+    from sgl_kernel import sampling as kernel
+
+    params = WORKLOADS["trunc"]
+    gen = torch.Generator(device=args.device).manual_seed(batch)
+    logits = (torch.randn(batch, args.vocab, generator=gen, device=args.device) * 3).to(
+        getattr(torch, args.dtype)
+    )
+    info = make_info(batch, args.vocab, params, args.entropy_mode, args.device)
+    sampler = Sampler("triton")
+    default = kernel._tiling
+
+    def with_pivots(num: int) -> Callable[[], object]:
+        tiling = default(logits.device, args.vocab)
+        tiling = tiling._replace(num_pivots=num, searches=kernel._search_launches(num))
+
+        def run() -> object:
+            kernel._tiling = lambda device, vocab_size: tiling
+            try:
+                return sampler.forward(logits, info, True, None)
+            finally:
+                kernel._tiling = default
+
+        return run
+
+    fns = [with_pivots(num) for num in args.search_pivots]
+    fns.append(lambda: naive_step(logits, params))
+    times = timed(fns, args.repeats * max(1, 16 // batch), args.device)
+    cells = [f"{num}: {t * 1e3:.3f}" for num, t in zip(args.search_pivots, times)]
+    cells.append(f"naive: {times[-1] * 1e3:.3f}")
+    return f"{batch:>5}  trunc ms by pivots  " + "  ".join(cells)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
@@ -114,6 +154,10 @@ def main() -> None:
     parser.add_argument("--entropy-mode", default="raw", choices=["raw", "scaled", "sampled"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    parser.add_argument(
+        "--search-pivots", type=int, nargs="+", default=None,
+        help="triton: time trunc with these pivot counts per search launch (powers of two)",
+    )
     args = parser.parse_args()
     if args.backend is None:
         args.backend = "triton" if args.device == "cuda" else "pytorch"
@@ -125,6 +169,15 @@ def main() -> None:
         f"{'B':>5} {'work':>6} {'no entropy':>11} {'entropy':>11} {'ent/none':>9} "
         f"{'naive':>11} {'naive/ours':>12}"
     )
+    if args.search_pivots:
+        if args.backend != "triton":
+            parser.error("--search-pivots needs the triton backend")
+        if any(n < 1 or n & (n - 1) for n in args.search_pivots):
+            parser.error("--search-pivots takes powers of two")
+        print(header.splitlines()[0], flush=True)
+        for batch in args.batch_sizes:
+            print(bench_pivots(args, batch), flush=True)
+        return
     print(header, flush=True)
     for batch in args.batch_sizes:
         for name in WORKLOADS:

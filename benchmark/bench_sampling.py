@@ -86,11 +86,16 @@ def timed(fns: list[Callable[[], object]], repeats: int, device: str) -> list[fl
     return [statistics.median(samples) for samples in times]
 
 
-def bench_one(args: argparse.Namespace, batch: int, name: str) -> str:
-    params = WORKLOADS[name]
+def random_logits(args: argparse.Namespace, batch: int) -> torch.Tensor:
+    """[batch, vocab] logits of N(0, 9), seeded by the batch size, in ``args.dtype``."""
     gen = torch.Generator(device=args.device).manual_seed(batch)
     logits = torch.randn(batch, args.vocab, generator=gen, device=args.device) * 3
-    logits = logits.to(getattr(torch, args.dtype))
+    return logits.to(getattr(torch, args.dtype))
+
+
+def bench_one(args: argparse.Namespace, batch: int, name: str) -> str:
+    params = WORKLOADS[name]
+    logits = random_logits(args, batch)
     sampler = Sampler(args.backend)
     plain = make_info(batch, args.vocab, params, None, args.device)
     with_ent = make_info(batch, args.vocab, params, args.entropy_mode, args.device)
@@ -115,10 +120,7 @@ def bench_pivots(args: argparse.Namespace, batch: int) -> str:
     from sgl_kernel import sampling as kernel
 
     params = WORKLOADS["trunc"]
-    gen = torch.Generator(device=args.device).manual_seed(batch)
-    logits = (torch.randn(batch, args.vocab, generator=gen, device=args.device) * 3).to(
-        getattr(torch, args.dtype)
-    )
+    logits = random_logits(args, batch)
     info = make_info(batch, args.vocab, params, args.entropy_mode, args.device)
     sampler = Sampler("triton")
     default = kernel._tiling

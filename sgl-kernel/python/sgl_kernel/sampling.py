@@ -241,27 +241,26 @@ def _search_kernel(
     # This tile's key range decides, per search, whether it is compared, counted whole or
     # skipped: after the first launches most tiles lie below the intervals and are not read.
     min_l, max_l, min_x, max_x = st.tile_keys(part_ptr + (row * num_tiles + tile) * st.STATS)
+    k_on, p_on, e_on = k_lo < k_hi, p_lo < p_hi, e_lo < e_hi
     begin = tile * BLOCK
     k_count, e_count, p_mass = st.count_tile(
         logits_ptr + row * row_stride, begin, tl.minimum(begin + BLOCK, vocab_size), temp,
         log_z, st.pivots_of(k_lo, k_hi, NUM), st.pivots_of(p_lo, p_hi, NUM),
         st.pivots_of(e_lo, e_hi, NUM),
-        (k_lo < k_hi) & (max_l > k_lo) & (min_l <= k_hi),
-        (p_lo < p_hi) & (max_x > p_lo) & (min_x <= p_hi),
-        (e_lo < e_hi) & (max_l > e_lo) & (min_l <= e_hi),
-        (k_lo < k_hi) & (min_l > k_hi), (p_lo < p_hi) & (min_x > p_hi),
-        (e_lo < e_hi) & (min_l > e_hi),
+        k_on & (max_l > k_lo) & (min_l <= k_hi), p_on & (max_x > p_lo) & (min_x <= p_hi),
+        e_on & (max_l > e_lo) & (min_l <= e_hi),
+        k_on & (min_l > k_hi), p_on & (min_x > p_hi), e_on & (min_l > e_hi),
         SEARCH_BLOCK, NUM, SEARCH_K, SEARCH_P, SEARCH_E,
     )  # fmt: skip
     totals = totals_ptr + (launch * num_rows + row) * 3 * NUM + tl.arange(0, NUM)
     if SEARCH_K:  # noqa: SIM102 (constexpr guard: compiled out)
-        if k_lo < k_hi:
+        if k_on:
             tl.atomic_add(totals, k_count, sem="relaxed")
     if SEARCH_E:  # noqa: SIM102 (constexpr guard: compiled out)
-        if e_lo < e_hi:
+        if e_on:
             tl.atomic_add(totals + NUM, e_count, sem="relaxed")
     if SEARCH_P:  # noqa: SIM102 (constexpr guard: compiled out)
-        if p_lo < p_hi:
+        if p_on:
             tl.atomic_add(totals + 2 * NUM, p_mass, sem="relaxed")
 
 

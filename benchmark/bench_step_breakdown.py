@@ -1,8 +1,10 @@
 """Where a step's time goes: the offline workload of bench_offline_throughput.py run through a
 Scheduler in this process (no frontend), each step timed whole and its forward + sampling
-(``forward_batch_generation``) apart, grouped by kind and batch size. The rest of a step is the
-scheduler's own work: batch selection, KV bookkeeping, committing the sampled tokens and
-building the output message.
+launch (``launch_batch_generation``) apart, grouped by kind and batch size. The rest of a step
+is the scheduler's own work: batch selection, KV bookkeeping, waiting for and committing the
+sampled tokens and building the output message. With the overlap schedule (CUDA, unless
+``--disable-overlap-schedule``) a decode step's launch returns before its GPU work is done and
+the step commits the one before it.
 
     python benchmark/bench_step_breakdown.py --model-path models/SmolLM2-135M-Instruct \\
         [--dtype bfloat16] [--profile-step 40]
@@ -12,9 +14,10 @@ time).  ``--host-profile`` prints where batch-1 decode's host time goes (cProfil
 with the most own time).
 
 On CUDA (``--device cuda``, the default when there is a GPU) it also times batch-1 decode
-alone: each step's host time and, from a torch.profiler trace of ``--idle-steps`` steps, the
-time the GPU ran kernels and the gaps in between (launch overhead, host work, syncs), and the
-kernels that took the most GPU time.
+alone: each step's host time with the overlap schedule on and off (interleaved rounds in this
+process) and, from a torch.profiler trace of ``--idle-steps`` steps, the time the GPU ran
+kernels and the gaps in between (launch overhead, host work, syncs), and the kernels that took
+the most GPU time.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ def main() -> None:
         "--disable-cuda-graph", action="store_true", help="the engine's flag (CUDA)"
     )
     parser.add_argument(
+        "--disable-overlap-schedule", action="store_true", help="the engine's flag (CUDA)"
+    )
+    parser.add_argument(
         "--host-profile",
         action="store_true",
         help="CUDA: cProfile batch-1 decode steps, print the top functions by own time",
@@ -87,6 +93,7 @@ def main() -> None:
         dtype=args.dtype,
         device=args.device,
         disable_cuda_graph=args.disable_cuda_graph,
+        disable_overlap_schedule=args.disable_overlap_schedule,
         random_seed=0,
         log_level="warning",
         chunked_prefill_size=args.chunked_prefill_size,
@@ -98,7 +105,7 @@ def main() -> None:
         core.run_step()
 
     forward_s: dict[str, float] = {}
-    run_forward = core.worker.forward_batch_generation
+    run_forward = core.worker.launch_batch_generation
 
     def timed_forward(*a: Any, **kw: Any) -> Any:
         start = time.perf_counter()
@@ -106,7 +113,7 @@ def main() -> None:
         forward_s["last"] = time.perf_counter() - start
         return out
 
-    core.worker.forward_batch_generation = timed_forward  # type: ignore[method-assign]
+    core.worker.launch_batch_generation = timed_forward  # type: ignore[method-assign]
     for i, (ids, n) in enumerate(work):
         submit(core, f"r{i}", ids, n)
     steps: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -135,7 +142,7 @@ def main() -> None:
     print(f"{total:.1f} s, {out_tokens / total:.1f} output tokens/s (in process, no frontend)")
     print(
         f"{'kind':>8} {'batch':>5} {'steps':>5} {'total s':>8} {'ms/step':>8} "
-        f"{'forward+sample ms':>17} {'scheduler ms':>12}"
+        f"{'launch ms':>17} {'scheduler ms':>12}"
     )
     for key in sorted(steps):
         n = steps[key]
@@ -151,14 +158,27 @@ def gpu_gaps(core: Scheduler, num_steps: int, host_profile: bool) -> None:
     """Batch-1 decode on CUDA: host time per step (untraced), GPU kernel time vs gaps and the
     costliest kernels over ``num_steps`` traced steps; with ``host_profile`` also a cProfile
     of ``num_steps`` more steps."""
-    submit(core, "gaps", [11, 22, 33, 44], 3 * num_steps + 40)
+    submit(core, "gaps", [11, 22, 33, 44], 9 * num_steps + 40)
     for _ in range(20):  # prefill and warm-up decode steps
         core.run_step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(num_steps):
-        core.run_step()
-    wall = (time.perf_counter() - start) / num_steps
+    overlap = core.overlap
+    walls: dict[bool, list[float]] = {True: [], False: []}
+    for mode in (True, False) * 3 if overlap else (False,):
+        core.overlap = mode
+        core.run_step()  # the first step of a mode may commit the step the last one left
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(num_steps):
+            core.run_step()
+        walls[mode].append((time.perf_counter() - start) / num_steps)
+    core.overlap = overlap
+    for mode, times in walls.items():
+        if times:
+            ms = 1e3 * min(times)
+            label = "overlap on " if mode else "overlap off"
+            print(f"cuda batch-1 decode, {label}: {ms:.3f} ms/step ({1e3 / ms:.0f} tok/s), best "
+                  f"of {len(times)} rounds of {num_steps}, untraced")
+    wall = min(walls[overlap])
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(num_steps):
@@ -170,7 +190,8 @@ def gpu_gaps(core: Scheduler, num_steps: int, host_profile: bool) -> None:
         events = json.loads(trace.read_text())["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
-    print(f"cuda batch-1 decode: {1e3 * wall:.3f} ms/step ({1 / wall:.0f} tok/s), untraced")
+    print(f"cuda batch-1 decode traced with the overlap schedule {'on' if overlap else 'off'}"
+          f" ({1e3 * wall:.3f} ms/step untraced)")
     if spans:
         busy, end = 0.0, float("-inf")
         for s0, s1 in spans:  # the union of kernel intervals (us)

@@ -43,12 +43,36 @@ def expected_output(prompt: list[int], num_tokens: int, vocab_size: int) -> list
     return ids[len(prompt) :]
 
 
+class ReadyStep:
+    """A PendingStep whose results are known at launch (the fake worker's)."""
+
+    def __init__(self, result: GenerationBatchResult) -> None:
+        self._result = result
+        self.next_token_ids = torch.tensor(result.next_token_ids, dtype=torch.int64)
+
+    def result(self) -> GenerationBatchResult:
+        return self._result
+
+
 class FakeWorker:
     """A ModelWorker that runs no model: scripted tokens, constant logprobs and entropy."""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.num_forwards = 0
+
+    def launch_batch_generation(
+        self,
+        forward_batch: ForwardBatch,
+        sampling_info: SamplingBatchInfo,
+        return_logprob: bool,
+        top_logprobs_nums: list[int] | None,
+    ) -> ReadyStep:
+        return ReadyStep(
+            self.forward_batch_generation(
+                forward_batch, sampling_info, return_logprob, top_logprobs_nums
+            )
+        )
 
     def forward_batch_generation(
         self,
@@ -130,10 +154,12 @@ class OutputSink:
 
 
 def make_core(
-    model_dir: str, **server_kwargs: Any
+    model_dir: str, overlap: bool = False, **server_kwargs: Any
 ) -> tuple[Scheduler, FakeWorker, OutputSink]:
     """A Scheduler core over the real pools, prefix cache and weights of ``model_dir`` (a tiny
-    model), with the fake worker in place of the forward pass."""
+    model), with the fake worker in place of the forward pass; ``overlap``: the overlap
+    schedule, as on CUDA (the fake worker's steps are done at launch, the control flow is
+    the same)."""
     server_kwargs.setdefault("max_total_tokens", 256)
     server_kwargs.setdefault("random_seed", 0)
     args = ServerArgs(model_path=model_dir, device="cpu", **server_kwargs)
@@ -159,6 +185,7 @@ def make_core(
         None,
         sink.on_output,
         sink.on_reply,
+        overlap=overlap,
     )
     return core, worker, sink
 

@@ -1,6 +1,7 @@
 """CUDA graphs end to end on a GPU (skipped without one): graphs on == graphs off, in
 deterministic mode to the bit; batches that shrink and grow between padded sizes; pause in every
-mode, weight updates (from disk and from tensors) and memory release/resume with graphs on.
+mode, weight updates (from disk and from tensors) and memory release/resume with graphs on; the
+overlap schedule (on by default) == --disable-overlap-schedule, to the bit.
 
 The other engine tests (test_engine_pause.py, test_memory_occupation.py, ...) also run with
 graphs on when a GPU is present: on CUDA they are the default."""
@@ -115,6 +116,36 @@ def test_deterministic_logprobs_and_entropy_bitwise_with_graphs(model_a: Path) -
             )
             assert ids_and_logprobs(alone) == ids_and_logprobs(outs[disable][2])
     for on, off in zip(outs[False], outs[True]):
+        assert ids_and_logprobs(on) == ids_and_logprobs(off)
+        assert on["meta_info"]["output_token_entropy"] == off["meta_info"]["output_token_entropy"]
+
+
+def test_overlap_schedule_equals_sync_bitwise(model_a: Path) -> None:
+    """Greedy and seeded sampling, stop tokens met while the next step is in flight, logprobs
+    and entropy: the same bits with the overlap schedule as committing every step first."""
+    params: list[dict[str, Any]] = [
+        {"max_new_tokens": n, "ignore_eos": True, "temperature": 0.8 * (i % 2), "sampling_seed": i}
+        for i, n in enumerate(OUT_LENS)
+    ]
+    outs: dict[bool, list[dict]] = {}
+    for disable in (True, False):
+        with _engine(
+            model_a, enable_deterministic_inference=True, disable_overlap_schedule=disable
+        ) as eng:
+            if disable:  # stop each request at a token it meets halfway
+                first = eng.generate(input_ids=PROMPTS, sampling_params=params)
+                for p, o in zip(params, first):
+                    p["stop_token_ids"] = [o["output_ids"][len(o["output_ids"]) // 2]]
+                    p["ignore_eos"] = False
+            outs[disable] = eng.generate(
+                input_ids=PROMPTS, sampling_params=params, return_logprob=True, return_entropy=True
+            )
+            state = engine_state(eng)
+            assert state["overlap_schedule"] is not disable
+            assert (state["num_steps_ahead"] > 0) is not disable
+            assert state["private_kv_tokens"] == 0 and state["req_to_token_pool_used"] == 0
+    for on, off in zip(outs[False], outs[True]):
+        assert on["meta_info"]["finish_reason"]["type"] == "stop"
         assert ids_and_logprobs(on) == ids_and_logprobs(off)
         assert on["meta_info"]["output_token_entropy"] == off["meta_info"]["output_token_entropy"]
 

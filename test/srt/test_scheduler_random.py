@@ -4,8 +4,10 @@ Each seed draws a pool configuration (size, page size, prefix cache on/off, chun
 limit) and a sequence of actions: submit, step, pause in every mode (with clear_cache and
 leases), continue, flush, abort by rid / prefix / all, weight updates from disk and tensors
 (some refused), relabels, release / resume memory. The invariants are checked after every
-action, without any flush; at the end every request has ended exactly once with an exact
-prefix of its uninterrupted tokens (all of them unless aborted), and nothing leaked.
+action, without any flush (with the overlap schedule, a decode step may be in flight then);
+at the end every request has ended exactly once with an exact prefix of its uninterrupted
+tokens (all of them unless aborted), and nothing leaked. Every seed runs with the overlap
+schedule off and on.
 """
 
 from __future__ import annotations
@@ -59,12 +61,13 @@ def model_dir(tiny_model_dir) -> str:
 class Episode:
     """One seed's core, the requests it was sent, and the action that changes it."""
 
-    def __init__(self, seed: int, model_dir: str) -> None:
+    def __init__(self, seed: int, model_dir: str, overlap: bool) -> None:
         self.rng = random.Random(seed)
         self.model_dir = model_dir
         rng = self.rng
         self.core, _, self.sink = make_core(
             model_dir,
+            overlap,
             max_total_tokens=rng.choice([64, 128, 512]),
             page_size=rng.choice([1, 4]),
             disable_radix_cache=rng.random() < 0.3,
@@ -169,19 +172,24 @@ class Episode:
         assert_no_leak(core)
 
 
-def _run_seed(seed: int, model_dir: str) -> int:
-    episode = Episode(seed, model_dir)
+def _run_seed(seed: int, model_dir: str, overlap: bool) -> tuple[int, int]:
+    """(requests sent, decode steps launched ahead of a step in flight)."""
+    episode = Episode(seed, model_dir, overlap)
     names = [n for n, _ in _ACTIONS]
     weights = [w for _, w in _ACTIONS]
     for _ in range(ACTIONS_PER_SEED):
         episode.act(episode.rng.choices(names, weights)[0])
     episode.finish_and_check()
-    return len(episode.requests)
+    return len(episode.requests), episode.core.num_steps_ahead
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("first_seed", range(0, NUM_SEEDS, SEEDS_PER_CASE))
-def test_random_interleavings_keep_invariants(model_dir: str, first_seed: int) -> None:
-    num_requests = sum(
-        _run_seed(seed, model_dir) for seed in range(first_seed, first_seed + SEEDS_PER_CASE)
-    )
-    assert num_requests > SEEDS_PER_CASE  # the episodes did submit work
+def test_random_interleavings_keep_invariants(
+    model_dir: str, first_seed: int, overlap: bool
+) -> None:
+    seeds = range(first_seed, first_seed + SEEDS_PER_CASE)
+    counts = [_run_seed(seed, model_dir, overlap) for seed in seeds]
+    assert sum(n for n, _ in counts) > SEEDS_PER_CASE  # the episodes did submit work
+    steps_ahead = sum(n for _, n in counts)
+    assert steps_ahead > 0 if overlap else steps_ahead == 0

@@ -247,6 +247,13 @@ class ServerArgs:
         "CUDA: replay a graph only for a batch of exactly a captured size (no padding rows); "
         "other sizes run eagerly.",
     )
+    disable_overlap_schedule: bool = _arg(
+        False,
+        "CUDA: commit each decode step before launching the next. By default a steady decode "
+        "step is launched while the previous one still runs on the GPU, and its results are "
+        "committed after (docs/overlap.md); the tokens are the same either way. No effect on "
+        "CPU, with tensor parallelism or with --enable-lora (their steps never overlap).",
+    )
     random_seed: int = _arg(
         None, "Seed of the engine; requests without sampling_seed derive theirs from it."
     )

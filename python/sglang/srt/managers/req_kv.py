@@ -98,20 +98,23 @@ class ReqKV:
         self.ensure_free(self.allocator.num_pages_needed_decode(seq_lens) * self.page_size)
         return self.allocator.alloc_decode(seq_lens, last_locs)
 
-    def num_private_slots(self, req: Req) -> int:
-        """Slots ``req`` holds outside the prefix cache: the pages of ``[prefix_len, kv_len)``,
-        a partly filled last page counted whole (the prefix is page-aligned)."""
+    def num_private_slots(self, req: Req, in_flight: bool = False) -> int:
+        """Slots ``req`` holds outside the prefix cache: the pages of ``[prefix_len, kv_len)``
+        (one slot further when a decode step of it is ``in_flight``), a partly filled last
+        page counted whole (the prefix is page-aligned)."""
         if req.req_pool_idx is None:
             return 0
-        pages = -(-req.kv_len // self.page_size) - req.prefix_len // self.page_size
+        end = req.kv_len + int(in_flight)
+        pages = -(-end // self.page_size) - req.prefix_len // self.page_size
         return pages * self.page_size
 
-    def private_slots(self, req: Req) -> torch.Tensor:
-        """The slots of ``[prefix_len, kv_len)`` of ``req``'s row (a copy; empty if none)."""
+    def private_slots(self, req: Req, in_flight: bool = False) -> torch.Tensor:
+        """The slots of ``[prefix_len, kv_len)`` of ``req``'s row (one further when a decode
+        step of it is ``in_flight``; a copy; empty if none)."""
         if req.req_pool_idx is None:
             return torch.empty(0, dtype=torch.int64)
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        return row[req.prefix_len : req.kv_len].clone()
+        return row[req.prefix_len : req.kv_len + int(in_flight)].clone()
 
     def release(self, req: Req) -> None:
         """Give back everything ``req`` holds; its computed KV goes to the prefix cache.

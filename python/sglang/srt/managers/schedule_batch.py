@@ -253,6 +253,11 @@ class ScheduleBatch:
         return self._sampling_info
 
     @property
+    def has_sampling_info(self) -> bool:
+        """Whether :attr:`sampling_info` is built (and advanced on the device step by step)."""
+        return self._sampling_info is not None
+
+    @property
     def return_logprob(self) -> bool:
         return any(r.return_logprob for r in self.reqs)
 
@@ -344,22 +349,29 @@ class ScheduleBatch:
         )
 
     # ---- decode -----------------------------------------------------------------------------
-    def prepare_for_decode(self) -> ForwardBatch | None:
-        """Allocate one slot per request for its last token; None if the pool is full."""
+    def prepare_for_decode(self, ahead: torch.Tensor | None = None) -> ForwardBatch | None:
+        """Allocate one slot per request for its last token; None if the pool is full.
+
+        ``ahead`` (the overlap schedule): the sampled ids [B] of this batch's step still in
+        flight, on the device. Each request is then one token further than its committed
+        state (that token's K/V goes to the next slot, its id is read from ``ahead`` in stream
+        order); the batch must be exactly the in-flight step's, in the same order.
+        """
         self.forward_mode = ForwardMode.DECODE
-        seq_lens = [r.seq_len for r in self.reqs]
+        extra = 0 if ahead is None else 1
+        seq_lens = [r.seq_len + extra for r in self.reqs]
         kv_lens = [s - 1 for s in seq_lens]
         out_cache_loc = self.kv.alloc_decode(seq_lens, self._last_locs(kv_lens))
         if out_cache_loc is None:
             return None
-        # The step's three index vectors as views of one tensor: one host-to-device copy.
+        # The step's three index vectors as views of one tensor: one host-to-device copy,
+        # from pinned memory on CUDA so that it does not wait for the step in flight.
         n = len(self.reqs)
-        inputs = torch.tensor(
-            [*(r.output_ids[-1] for r in self.reqs), *kv_lens, *self._rows()],
-            dtype=torch.int64,
-            device=self.device,
-        )
+        last_ids = [0] * n if ahead is not None else [r.output_ids[-1] for r in self.reqs]
+        inputs = _to_device([*last_ids, *kv_lens, *self._rows()], self.device)
         input_ids, positions, pool_indices = inputs[:n], inputs[n : 2 * n], inputs[2 * n :]
+        if ahead is not None:
+            input_ids.copy_(ahead)
         self.kv.req_to_token_pool.req_to_token[pool_indices, positions] = out_cache_loc
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE,
@@ -376,10 +388,12 @@ class ScheduleBatch:
             lora_names=self._lora_names(),
         )
 
-    def decode_tokens_needed(self, reqs: list[Req] | None = None) -> int:
-        """Free slots the next decode step of ``reqs`` (default: all) needs."""
+    def decode_tokens_needed(self, reqs: list[Req] | None = None, ahead: bool = False) -> int:
+        """Free slots the next decode step of ``reqs`` (default: all) needs; ``ahead``: the
+        step after the one in flight (see :meth:`prepare_for_decode`)."""
         reqs = self.reqs if reqs is None else reqs
-        pages = self.kv.allocator.num_pages_needed_decode([r.seq_len for r in reqs])
+        extra = int(ahead)
+        pages = self.kv.allocator.num_pages_needed_decode([r.seq_len + extra for r in reqs])
         return pages * self.kv.page_size
 
     # ---- composition ------------------------------------------------------------------------
@@ -442,3 +456,12 @@ class ScheduleBatch:
         return [
             int(table[r.req_pool_idx, n - 1]) if n > 0 else -1 for r, n in zip(self.reqs, kv_lens)
         ]
+
+
+def _to_device(values: list[int], device: str) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``. On CUDA the copy is queued from pinned
+    memory without a host sync (a plain copy would wait for every step queued before it)."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
+    return host.to(device, non_blocking=True)

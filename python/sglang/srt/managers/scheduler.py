@@ -8,6 +8,10 @@ The process shell (scheduler_process.py) reads messages and calls, each loop tur
     scheduler.process_input_requests(messages)
     scheduler.run_step()
 
+With ``overlap`` (the overlap schedule, managers/overlap.py) a decode step may stay in flight
+across turns: ``in_flight`` is the launched step not committed yet; every path but the steady
+decode one commits it first (:meth:`finish_in_flight`), so handlers see committed state.
+
 A request's ``status`` (schedule_batch.ReqStatus) changes only in :meth:`admit`,
 :meth:`start_decoding`, :meth:`retract`, :meth:`finish`, :meth:`pause_in_place` and
 :meth:`unpause`; each releases what
@@ -50,6 +54,7 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightVersionReqInput,
 )
 from sglang.srt.managers.memory_occupation import MemoryBackend, MemoryOccupation
+from sglang.srt.managers.overlap import InFlightStep, run_ahead_blocker
 from sglang.srt.managers.pause_state import PauseModeError, PauseState, resolve_pause_mode
 from sglang.srt.managers.req_intake import make_req, refusal
 from sglang.srt.managers.req_kv import ReqKV
@@ -94,10 +99,12 @@ class Scheduler:
         tokenizer: Any,
         send_output: Callable[[BatchTokenIDOutput], None],
         send_reply: Callable[[Any], None],
+        overlap: bool = False,
     ) -> None:
         """``runner`` owns the model and its memory (the ModelRunner); ``kv`` wraps its pools
         and the prefix cache. ``send_output`` takes per-request outputs (to the detokenizer),
-        ``send_reply`` control replies and unsolicited state messages (to the tokenizer)."""
+        ``send_reply`` control replies and unsolicited state messages (to the tokenizer).
+        ``overlap``: launch each steady decode step before committing the one in flight."""
         self.server_args = server_args
         self.model_config = model_config
         self.worker = worker
@@ -115,6 +122,9 @@ class Scheduler:
         self.pause = PauseState()
         self.cur_batch: ScheduleBatch | None = None
         self.last_batch: ScheduleBatch | None = None
+        self.overlap = overlap
+        self.in_flight: InFlightStep | None = None  # launched, not committed (overlap only)
+        self.num_steps_ahead = 0  # decode steps launched before the one in flight committed
         self.forward_ct_decode = 0
         self.num_loop_turns = 0  # tests wait for N more turns instead of sleeping
         self.init_new_token_ratio = min(0.7 * server_args.schedule_conservativeness, 1.0)
@@ -180,7 +190,9 @@ class Scheduler:
     # ---- one loop turn ----------------------------------------------------------------------
     def process_input_requests(self, msgs: list[Any]) -> None:
         """Handle each message in arrival order; each control request gets its reply now
-        (a ``wait`` pause later, once drained)."""
+        (a ``wait`` pause later, once drained). The step in flight is committed first."""
+        if msgs:
+            self.finish_in_flight()
         for msg in msgs:
             if isinstance(msg, TokenizedGenerateReqInput):
                 self._admit_request_isolated(msg)
@@ -188,32 +200,81 @@ class Scheduler:
                 self.reply(self.dispatch(msg))
 
     def run_step(self) -> bool:
-        """Run at most one forward pass and commit its results. False when none ran (idle,
-        paused, memory released, or the step's requests were finished before it ran);
+        """Launch at most one forward pass and commit the step before it. False when none ran
+        (idle, paused, memory released, or the step's requests were finished before it ran);
         :meth:`has_runnable_work` says whether another turn has work."""
         self.num_loop_turns += 1
+        committed = self.run_ahead_blocker() is not None and self.finish_in_flight()
         self.check_pause()
         self.lora_ctl.check_drains()
         batch = self.get_next_batch_to_run()
         self.cur_batch = batch
         if batch is None:
-            self.on_idle()
+            # A turn that committed a step goes idle only on the next turn, after the input
+            # that came meanwhile (as without overlap: a client's next request, sent on this
+            # step's output, is taken before the idle checks run).
+            if not (self.finish_in_flight() or committed):
+                self.on_idle()
             return False
         self._was_busy = True
         assert batch.forward_batch is not None, "a batch to run has been prepared"
-        result = self.worker.forward_batch_generation(
+        pending = self.worker.launch_batch_generation(
             batch.forward_batch, batch.sampling_info, batch.return_logprob, batch.top_logprobs_nums
         )
-        if batch.forward_mode == ForwardMode.EXTEND:
-            self.process_extend_result(batch, result)
-        else:
-            self.process_decode_result(batch, result)
+        previous = self.in_flight
+        self.in_flight = InFlightStep(batch, batch.reqs, batch.forward_mode, pending)
+        if previous is not None:
+            self.num_steps_ahead += 1
+            self.commit(previous)
+        if not self.overlap or batch.forward_mode == ForwardMode.EXTEND:
+            self.finish_in_flight()  # a prefill changes the batch: nothing runs ahead of it
         self.last_batch = batch
         return True
+
+    def finish_in_flight(self) -> bool:
+        """Wait for the step in flight (if any) and commit its results; whether there was one."""
+        step, self.in_flight = self.in_flight, None
+        if step is None:
+            return False
+        self.commit(step)
+        return True
+
+    def commit(self, step: InFlightStep) -> None:
+        """Commit ``step``'s results into its requests (finishing and streaming them)."""
+        result = step.pending.result()
+        if step.mode == ForwardMode.EXTEND:
+            self.process_extend_result(step.batch, result)
+        else:
+            self.process_decode_result(step.reqs, result)
+
+    def run_ahead_blocker(self) -> str | None:
+        """Why the step in flight must be committed before the next is built; None when the
+        next decode step may be launched first (see managers/overlap.py)."""
+        step = self.in_flight
+        if step is None:
+            return "no step in flight"
+        if not self.overlap:
+            return "the overlap schedule is off"
+        if self.pause.pending is not None or not self.pause.admits_new():
+            return "a pause"
+        if self.memory.blocks_forward():
+            return "memory released"
+        if self.lora is not None:
+            return "LoRA adapters"
+        if self.chunked_req is not None:
+            return "a chunked prefill"
+        running = self.running_batch
+        has_waiting = bool(self.waiting_queue)
+        reason = run_ahead_blocker(step, running, self.max_running_requests, has_waiting)
+        if reason is None and not self.kv.ensure_free(running.decode_tokens_needed(ahead=True)):
+            reason = "the KV pool is short"
+        return reason
 
     def has_runnable_work(self) -> bool:
         """Whether the next turn has something to do (the shell then does not block on input):
         a step to run, or a drained ``wait`` pause to answer."""
+        if self.in_flight is not None:
+            return True
         if self.pause.pending is not None and not self.num_draining():
             return True
         if self.lora_ctl.has_drain_to_answer():
@@ -239,7 +300,10 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Raise AssertionError if a KV slot or pool row is not owned by exactly one of: the
         free list, the prefix cache, one admitted request (see scheduler_invariants)."""
-        check_invariants(self.kv, self.waiting_queue, self.chunked_req, self.running_batch)
+        in_flight = None if self.in_flight is None else self.in_flight.reqs
+        check_invariants(
+            self.kv, self.waiting_queue, self.chunked_req, self.running_batch, in_flight
+        )
 
     # ---- batch selection --------------------------------------------------------------------
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
@@ -304,7 +368,9 @@ class Scheduler:
         batch = self._decode_batch()
         if batch.is_empty():
             return None
-        needed = batch.decode_tokens_needed()
+        # Running ahead of the step in flight (overlap; run_ahead_blocker checked the KV).
+        ahead = self.in_flight.next_token_ids if self.in_flight is not None else None
+        needed = batch.decode_tokens_needed(ahead=ahead is not None)
         if not self.kv.ensure_free(needed) and self.chunked_req is not None:
             # A chunked prefill holds KV that running requests need: it yields first.
             chunked, self.chunked_req = self.chunked_req, None
@@ -318,10 +384,14 @@ class Scheduler:
                 gone = {id(r) for r in retracted}
                 self.running_batch.filter([r for r in self.running_batch.reqs if id(r) not in gone])
             self.new_token_ratio = min(1.0, self.new_token_ratio + _RETRACT_RATIO_BUMP)
-        batch.forward_batch = batch.prepare_for_decode()
+        batch.forward_batch = batch.prepare_for_decode(ahead)
         if batch.forward_batch is None:
-            # One request is left, alone in the pool, and its next token does not fit.
-            self.finish(list(batch.reqs), {"type": "abort", "message": _KV_TOO_SMALL})
+            # One request is left, alone in the pool, and its next token does not fit. (Not
+            # when running ahead, whose KV run_ahead_blocker checked; the step in flight is
+            # committed first all the same, so that its slots are released with the request.)
+            self.finish_in_flight()
+            stuck = [r for r in batch.reqs if not r.finished]
+            self.finish(stuck, {"type": "abort", "message": _KV_TOO_SMALL})
             return None
         self.forward_ct_decode += 1
         self.new_token_ratio = max(
@@ -347,10 +417,17 @@ class Scheduler:
         self.output.stream_due(done)
         self.start_decoding([r for r in done if not r.finished])
 
-    def process_decode_result(self, batch: ScheduleBatch, result: Any) -> None:
-        self.output.commit_decode(batch, result)
-        self.finish([r for r in batch.reqs if r.finished])
-        self.output.stream_due(batch.reqs)
+    def process_decode_result(self, reqs: list[Req], result: Any) -> None:
+        """Commit a decode step of ``reqs`` (its rows). Requests finished since it was launched
+        (by the step before, in overlap mode) are skipped; those it finishes while the next
+        step is in flight give back the slot that step fills for them too."""
+        committed = self.output.commit_decode(reqs, result)
+        ended = [r for r in committed if r.finished]
+        if self.in_flight is not None and self.in_flight.reqs is reqs:
+            for req in ended:
+                req.kv_len += 1  # its last token's K/V, written by the step in flight
+        self.finish(ended)
+        self.output.stream_due(committed)
 
     # ---- the lifecycle: the only methods that change Req.status -----------------------------
     def admit(self, reqs: list[Req]) -> None:
@@ -456,6 +533,10 @@ class Scheduler:
 
     def num_alive(self) -> int:
         return self.num_kv_holders() + len(self.waiting_queue)
+
+    def _num_private_tokens(self) -> int:
+        ahead = set() if self.in_flight is None else {id(r) for r in self.in_flight.reqs}
+        return sum(self.kv.num_private_slots(r, id(r) in ahead) for r in self.kv_holders())
 
     # ---- request handlers -------------------------------------------------------------------
     def _admit_request_isolated(self, recv: TokenizedGenerateReqInput) -> None:
@@ -620,7 +701,7 @@ class Scheduler:
             "req_to_token_pool_used": pool.size - pool.available_size(),
             "available_kv_tokens": self.kv.available_tokens(),
             "free_kv_tokens": self.kv.allocator.available_size(),
-            "private_kv_tokens": sum(self.kv.num_private_slots(r) for r in self.kv_holders()),
+            "private_kv_tokens": self._num_private_tokens(),
             "max_total_num_tokens": self.max_total_num_tokens,
             "forward_ct_decode": self.forward_ct_decode,
             "num_loop_turns": self.num_loop_turns,
@@ -631,5 +712,7 @@ class Scheduler:
             "max_running_requests": self.max_running_requests,
             "tp_size": self.server_args.tp_size,
             "cuda_graph": self.runner.cuda_graph_state(),
+            "overlap_schedule": self.overlap,
+            "num_steps_ahead": self.num_steps_ahead,
             **self.lora_ctl.internal_state(),
         }

@@ -5,6 +5,9 @@ Owners of the ``allocator.size`` usable KV slots (whole pages), at every loop-tu
     free list  +  prefix cache (evictable + protected + stale)  +  admitted requests' private
     pages ([prefix_len, kv_len), a partial last page counted whole)  ==  allocator.size
 
+(a request in the decode step in flight, in the overlap schedule, also holds that step's slot:
+``[prefix_len, kv_len + 1)``)
+
 and each ReqToTokenPool row in use belongs to exactly one admitted request. Requests in the
 waiting queue hold nothing. Beyond the counts: the radix tree's own integrity and page-level
 ownership (no page both free and held, none held twice).
@@ -33,9 +36,13 @@ def check_invariants(
     waiting_queue: list[Req],
     chunked_req: Req | None,
     running_batch: ScheduleBatch,
+    in_flight: list[Req] | None = None,
 ) -> None:
-    """Raise AssertionError naming the first violated invariant. Read-only."""
+    """Raise AssertionError naming the first violated invariant. Read-only. ``in_flight``:
+    the requests of the decode step launched and not committed yet."""
     holders = running_batch.reqs + ([] if chunked_req is None else [chunked_req])
+    ahead = {id(r) for r in in_flight or [] if not r.finished}
+    _check(ahead <= {id(r) for r in running_batch.reqs}, "a step in flight outside the batch")
     for req in waiting_queue:
         _check(req.status is ReqStatus.WAITING, f"{req} queued with status {req.status}")
         _check(req.req_pool_idx is None and req.cache_handle is None, f"queued {req} holds KV")
@@ -55,7 +62,7 @@ def check_invariants(
     _check(rows_used == len(holders), f"{rows_used} pool rows in use, {len(holders)} holders")
 
     cache = kv.tree_cache
-    private = sum(kv.num_private_slots(r) for r in holders)
+    private = sum(kv.num_private_slots(r, id(r) in ahead) for r in holders)
     free = kv.allocator.available_size()
     total = free + cache.total_size() + private
     _check(
@@ -64,10 +71,10 @@ def check_invariants(
         f"!= pool {kv.allocator.size}",
     )
     cache.check_integrity(num_private=private)
-    _check_slot_owners(kv, holders)
+    _check_slot_owners(kv, holders, ahead)
 
 
-def _check_slot_owners(kv: ReqKV, holders: list[Req]) -> None:
+def _check_slot_owners(kv: ReqKV, holders: list[Req], ahead: set[int]) -> None:
     """No page is held by two owners (a request, the cache, the free list).
 
     One linear count over the pool's page ids (``bincount``), not a sort: on CPU the free list
@@ -75,7 +82,9 @@ def _check_slot_owners(kv: ReqKV, holders: list[Req]) -> None:
     idle (so before pause replies); sorting them took most of a second.
     """
     page_size = kv.page_size
-    owned = [torch.unique(kv.private_slots(r) // page_size).cpu() for r in holders]
+    owned = [
+        torch.unique(kv.private_slots(r, id(r) in ahead) // page_size).cpu() for r in holders
+    ]
     owned.append(torch.unique(kv.tree_cache.cached_slots() // page_size).cpu())
     owned.append(kv.allocator.free_page_ids().cpu())
     pages = torch.cat(owned)

@@ -55,10 +55,17 @@ class OutputProcessor:
             done.append(req)
         return done
 
-    def commit_decode(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
-        for i, req in enumerate(batch.reqs):
+    def commit_decode(self, reqs: list[Req], result: GenerationBatchResult) -> list[Req]:
+        """Commit a decode step whose rows are ``reqs``; a request already finished (only in
+        the overlap schedule: by the step before) is skipped. Returns the committed ones."""
+        committed = []
+        for i, req in enumerate(reqs):
+            if req.finished:
+                continue
             req.kv_len += 1
             self._append_token(req, result, i)
+            committed.append(req)
+        return committed
 
     def stream_due(self, reqs: list[Req]) -> None:
         """Stream the unfinished requests of ``reqs`` whose stream interval has come."""

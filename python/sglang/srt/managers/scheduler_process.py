@@ -15,6 +15,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
 import zmq
 from tqdm import tqdm
 
@@ -33,6 +34,7 @@ from sglang.srt.managers.io_struct import (
     SchedulerErrorOutput,
     SchedulerReply,
 )
+from sglang.srt.managers.overlap import overlap_off_reason
 from sglang.srt.managers.rank_weight_sync import RankWeightSync
 from sglang.srt.managers.req_kv import ReqKV
 from sglang.srt.managers.scheduler import Scheduler
@@ -88,6 +90,9 @@ def build_scheduler(
         server_args.page_size,
         WeightState(version=server_args.weight_version),
     )
+    overlap_off = overlap_off_reason(server_args)
+    if overlap_off is not None and torch.device(server_args.device).type == "cuda":
+        logger.info("Overlap schedule off: %s", overlap_off)
     return Scheduler(
         server_args,
         model_config,
@@ -98,6 +103,7 @@ def build_scheduler(
         tokenizer,
         send_output,
         send_reply,
+        overlap=overlap_off is None,
     )
 
 

@@ -1,4 +1,10 @@
-"""TpModelWorker: batch -> forward -> sample, returning host-side results."""
+"""TpModelWorker: batch -> forward -> sample, returning host-side results.
+
+A step is launched (:meth:`TpModelWorker.launch_batch_generation`) and its results collected
+later (:meth:`PendingStep.result`): on CUDA the launch queues the forward pass, the sampler and
+the copies of the results to the host without waiting for the device, so the scheduler can
+prepare and launch the next step while this one runs (the overlap schedule, docs/overlap.md).
+"""
 
 from __future__ import annotations
 
@@ -30,16 +36,47 @@ class GenerationBatchResult(NamedTuple):
     entropies: list[float] | None = None
 
 
+class PendingStep(Protocol):
+    """A launched step. ``next_token_ids`` [B] are its sampled ids where the next step's
+    inputs can read them without a host round trip (on the step's device, in stream order)."""
+
+    next_token_ids: torch.Tensor
+
+    def result(self) -> GenerationBatchResult:
+        """The step's results on the host; waits for the device when they are not there yet."""
+        ...
+
+
 class ModelWorker(Protocol):
     """What the Scheduler core needs to run a step (TpModelWorker, or a test's scripted fake)."""
 
-    def forward_batch_generation(
+    def launch_batch_generation(
         self,
         forward_batch: ForwardBatch,
         sampling_info: SamplingBatchInfo,
         return_logprob: bool,
         top_logprobs_nums: list[int] | None,
-    ) -> GenerationBatchResult: ...
+    ) -> PendingStep: ...
+
+
+class DeviceResults:
+    """A :class:`PendingStep` over device tensors: every copy to the host is queued at once
+    (non-blocking, into pinned memory on CUDA) and one event marks their end; :meth:`result`
+    waits for that event only, not for the work queued after it."""
+
+    def __init__(self, next_token_ids: torch.Tensor, fields: tuple[torch.Tensor | None, ...]):
+        self.next_token_ids = next_token_ids
+        self._host = [None if t is None else t.to("cpu", non_blocking=True) for t in fields]
+        self._done: torch.cuda.Event | None = None
+        if next_token_ids.device.type == "cuda":
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def result(self) -> GenerationBatchResult:
+        if self._done is not None:
+            self._done.synchronize()
+        lists: list[Any] = [None if t is None else t.tolist() for t in self._host]
+        return GenerationBatchResult(*lists)
 
 
 class TpModelWorker:
@@ -60,7 +97,20 @@ class TpModelWorker:
         return_logprob: bool,
         top_logprobs_nums: list[int] | None,
     ) -> GenerationBatchResult:
-        """Run the model on ``forward_batch`` and sample one token per request."""
+        """Run the model on ``forward_batch``, sample one token per request, wait for it."""
+        return self.launch_batch_generation(
+            forward_batch, sampling_info, return_logprob, top_logprobs_nums
+        ).result()
+
+    def launch_batch_generation(
+        self,
+        forward_batch: ForwardBatch,
+        sampling_info: SamplingBatchInfo,
+        return_logprob: bool,
+        top_logprobs_nums: list[int] | None,
+    ) -> DeviceResults:
+        """Queue the model on ``forward_batch`` and the sampling of one token per request;
+        no host sync on CUDA (the results travel to the host behind them)."""
         if self.lora_manager is None:
             logits_output = self.model_runner.forward(forward_batch)
         else:
@@ -84,13 +134,4 @@ class TpModelWorker:
             logits_output.input_top_logprobs_idx,
             out.entropies,
         )
-        return GenerationBatchResult(*_to_host_lists(fields))
-
-
-def _to_host_lists(tensors: tuple[torch.Tensor | None, ...]) -> list[Any]:
-    """The step's results as Python lists, with one wait for the device: every copy is queued
-    first (non-blocking), then the stream is synchronized once (nothing on CPU)."""
-    host = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
-    if any(t is not None and t.device.type == "cuda" for t in tensors):
-        torch.cuda.current_stream().synchronize()
-    return [None if t is None else t.tolist() for t in host]
+        return DeviceResults(out.next_token_ids, fields)

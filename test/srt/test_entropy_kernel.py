@@ -191,6 +191,32 @@ def test_kernel_reads_any_row_stride_and_skips_entropy_when_unasked(kernel):
     assert contiguous.logprobs is None
 
 
+def test_all_greedy_without_logprobs_launches_no_kernel(kernel, monkeypatch):
+    # Ties (first index wins), a NaN row (its first NaN, as max(dim)), -inf and bfloat16.
+    vocab = 3000
+    rows = torch.randn(5, vocab, generator=torch.Generator().manual_seed(11))
+    rows[1, [17, 2900]] = 50.0
+    rows[2, [40, 700]] = float("nan")
+    rows[3, :] = NEG_INF
+    rows[3, 1234] = 0.0
+    params = [{"temperature": 0.0}] * 4 + [{"top_k": 1}]
+    info = make_info(params, vocab)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = on_device(rows.to(dtype))
+        want = sample_contract(logits.float(), info, False, None)
+        with monkeypatch.context() as patched:
+            patched.setattr(kernel, "_launch", lambda *a: pytest.fail("a kernel was launched"))
+            got = kernel.sample_triton(logits, info, False, None, None)
+        assert got.next_token_ids.tolist() == want.next_token_ids.tolist()
+        assert got.next_token_ids.tolist()[1:4] == [17, 40, 1234]
+        assert got.logprobs is None and got.entropies is None
+        # Asking for logprobs takes the kernel, with the same tokens (but in the NaN row: the
+        # kernel's maximum skips NaN).
+        full = kernel.sample_triton(logits, info, True, None, None).next_token_ids.tolist()
+        expected = want.next_token_ids.tolist()
+        assert full[:2] + full[3:] == expected[:2] + expected[3:]
+
+
 def test_uniform_rows_follow_the_noise_alone(kernel):
     # Equal logits: the token is the argmax of the contract noise, so any bit of the hash
     # that differs between a backend and the contract shows up here.

@@ -492,10 +492,16 @@ def sample_triton(
 
     ``logits`` [B, V] float32/bfloat16/float16 on CUDA (or on CPU under TRITON_INTERPRET=1),
     any row stride. Mutates nothing; writes [B] outputs. Launches: 2 for plain sampling, 3 with
-    min-p or an entropy subset, 14 on GPUs with top-k / top-p or top-k entropy.
+    min-p or an entropy subset, 14 on GPUs with top-k / top-p or top-k entropy; none for an
+    all-greedy batch that asks for no logprob and no entropy (one torch ``max``: the first
+    maximum, the first NaN of a row holding one, as the contract).
     """
     if logits.shape[-1] != info.vocab_size:
         raise ValueError(f"logits have {logits.shape[-1]} columns, expected {info.vocab_size}")
+    if info.is_all_greedy and entropy is None and not return_logprob:
+        # The argmax alone: two Triton launches cost a batch-1 decode step ~0.25 ms of host
+        # time on an H100 host, a torch reduction ~0.02 ms.
+        return SampleOutput(logits.max(dim=-1).indices, None, None, None, None)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     num_rows, vocab_size = logits.shape

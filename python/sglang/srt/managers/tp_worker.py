@@ -90,18 +90,6 @@ class TpModelWorker:
             server_args.sampling_backend, server_args.entropy_mode, server_args.entropy_top_k
         )
 
-    def forward_batch_generation(
-        self,
-        forward_batch: ForwardBatch,
-        sampling_info: SamplingBatchInfo,
-        return_logprob: bool,
-        top_logprobs_nums: list[int] | None,
-    ) -> GenerationBatchResult:
-        """Run the model on ``forward_batch``, sample one token per request, wait for it."""
-        return self.launch_batch_generation(
-            forward_batch, sampling_info, return_logprob, top_logprobs_nums
-        ).result()
-
     def launch_batch_generation(
         self,
         forward_batch: ForwardBatch,

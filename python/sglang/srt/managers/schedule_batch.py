@@ -361,18 +361,22 @@ class ScheduleBatch:
         extra = 0 if ahead is None else 1
         seq_lens = [r.seq_len + extra for r in self.reqs]
         kv_lens = [s - 1 for s in seq_lens]
-        out_cache_loc = self.kv.alloc_decode(seq_lens, self._last_locs(kv_lens))
-        if out_cache_loc is None:
-            return None
         # The step's three index vectors as views of one tensor: one host-to-device copy,
         # from pinned memory on CUDA so that it does not wait for the step in flight.
         n = len(self.reqs)
         last_ids = [0] * n if ahead is not None else [r.output_ids[-1] for r in self.reqs]
         inputs = _to_device([*last_ids, *kv_lens, *self._rows()], self.device)
         input_ids, positions, pool_indices = inputs[:n], inputs[n : 2 * n], inputs[2 * n :]
+        # Paged pools continue each request's last page: its slot is read on the device (in
+        # stream order, so also the slot a step in flight is filling), with no host sync.
+        table = self.kv.req_to_token_pool.req_to_token
+        last_locs = table[pool_indices, positions - 1] if self.kv.page_size > 1 else [-1] * n
+        out_cache_loc = self.kv.alloc_decode(seq_lens, last_locs)
+        if out_cache_loc is None:
+            return None
         if ahead is not None:
             input_ids.copy_(ahead)
-        self.kv.req_to_token_pool.req_to_token[pool_indices, positions] = out_cache_loc
+        table[pool_indices, positions] = out_cache_loc
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             batch_size=n,

@@ -93,8 +93,11 @@ class ReqKV:
         self.ensure_free(pages * self.page_size)
         return self.allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
 
-    def alloc_decode(self, seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
-        """One slot per request for its token at position ``seq_lens[i] - 1``."""
+    def alloc_decode(
+        self, seq_lens: list[int], last_locs: list[int] | torch.Tensor
+    ) -> torch.Tensor | None:
+        """One slot per request for its token at position ``seq_lens[i] - 1`` (``last_locs``
+        may be a device tensor: no host sync then)."""
         self.ensure_free(self.allocator.num_pages_needed_decode(seq_lens) * self.page_size)
         return self.allocator.alloc_decode(seq_lens, last_locs)
 

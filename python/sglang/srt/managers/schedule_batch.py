@@ -396,8 +396,7 @@ class ScheduleBatch:
         """Free slots the next decode step of ``reqs`` (default: all) needs; ``ahead``: the
         step after the one in flight (see :meth:`prepare_for_decode`)."""
         reqs = self.reqs if reqs is None else reqs
-        extra = int(ahead)
-        pages = self.kv.allocator.num_pages_needed_decode([r.seq_len + extra for r in reqs])
+        pages = self.kv.allocator.num_pages_needed_decode([r.seq_len + ahead for r in reqs])
         return pages * self.kv.page_size
 
     # ---- composition ------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""TpModelWorker: batch -> forward -> sample, returning host-side results.
+"""TpModelWorker: batch -> forward -> sample, launched now, results on the host later.
 
 A step is launched (:meth:`TpModelWorker.launch_batch_generation`) and its results collected
 later (:meth:`PendingStep.result`): on CUDA the launch queues the forward pass, the sampler and

@@ -99,12 +99,61 @@ def test_store_kv_equals_index_copy(dtype: torch.dtype) -> None:
     assert torch.equal(k_buf, want_k)
 
 
+DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+               (torch.float32, torch.bfloat16)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("model_dtype", "pool_dtype"), DTYPE_PAIRS)
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(64, 64), (32, 16)])
+def test_rope_store_kv_equals_rope_then_store(
+    model_dtype: torch.dtype, pool_dtype: torch.dtype, head_dim: int, rotary_dim: int
+) -> None:
+    """The fused kernel gives the bits of ``rope`` on q and on k followed by ``store_kv`` of
+    the rotated k and v: q, k and v as views into one qkv row (GQA: 6 query heads, 2 KV heads),
+    scattered slots, a pool of another dtype; the other slots untouched."""
+    heads, kv_heads, num_tokens = 6, 2, 5
+    rope = get_rope(head_dim, 10000.0, 512, None, rotary_dim / head_dim)
+    table = rope._cache_on(torch.device(TEST_DEVICE))
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = _rand(num_tokens, q_size + 2 * kv_size, dtype=model_dtype)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    positions = torch.tensor([0, 7, 3, 511, 100], device=TEST_DEVICE)
+    loc = torch.tensor([7, 2, 30, 11, 5], device=TEST_DEVICE)
+    pool = [_rand(40, kv_heads, head_dim, dtype=pool_dtype, seed=s) for s in (1, 2)]
+    want_k, want_v = (b.clone() for b in pool)
+    want_q = fe.rope(q, positions, table, head_dim, rotary_dim)
+    k_rot = fe.rope(k, positions, table, head_dim, rotary_dim)
+    fe.store_kv(
+        want_k, want_v, loc, k_rot.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)
+    )
+    got_q = fe.rope_store_kv(q, k, v, positions, table, head_dim, rotary_dim, *pool, loc)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(pool[0], want_k) and torch.equal(pool[1], want_v)
+    _close(got_q, rope.rotate(positions, q), exact_fp32=True)  # and the torch ops' rotation
+    empty = fe.rope_store_kv(q[:0], k[:0], v[:0], positions[:0], table, head_dim, rotary_dim,
+                             *pool, loc[:0])  # fmt: skip
+    assert empty.shape == (0, q_size) and torch.equal(pool[0], want_k)
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="CPU model runners; on a GPU the engine tests run it")
-def test_model_with_fused_ops_matches_the_torch_ops(tiny_model_dir: Callable[..., Path]) -> None:
+def test_model_with_fused_ops_matches_the_torch_ops(
+    tiny_model_dir: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Prefill and decode logits of the tiny model (qwen3: q/k norms, and partial rotary on
-    llama) with the kernels (and the K/V store) switched on equal those of the torch ops."""
+    llama) with the kernels (and the K/V store) switched on equal those of the torch ops.
+    With both switched on, each layer rotates q/k and stores k/v in one kernel
+    (``RotaryEmbedding.rotate_and_store``), and the CPU backend reads the new K/V back from
+    the pool."""
     from model_test_utils import RUNNER_SLOTS, BatchBuilder
 
+    fused_stores = []
+    real_rope_store_kv = fe.rope_store_kv
+
+    def counted(*args: torch.Tensor | int) -> torch.Tensor:
+        fused_stores.append(args)
+        return real_rope_store_kv(*args)
+
+    monkeypatch.setattr(fe, "rope_store_kv", counted)
     for path in (tiny_model_dir("qwen3"), tiny_model_dir(partial_rotary_factor=0.5)):
         outs = []
         for fused in (False, True):
@@ -121,5 +170,8 @@ def test_model_with_fused_ops_matches_the_torch_ops(tiny_model_dir: Callable[...
             first = runner.forward(builder.extend([("a", [3, 9, 27, 81]), ("b", [5, 7])]))
             second = runner.forward(builder.decode([("a", 11), ("b", 13)]))
             outs.append((first.next_token_logits, second.next_token_logits))
+            # Every layer of both passes stored its K/V in the fused kernel, and only then.
+            assert len(fused_stores) == (2 * runner.model.config.num_hidden_layers if fused else 0)
+            fused_stores.clear()
         for want, got in zip(outs[0], outs[1]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

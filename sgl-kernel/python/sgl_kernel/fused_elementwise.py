@@ -77,6 +77,44 @@ def add_rms_norm(
 
 
 @triton.jit
+def _rotate_heads(
+    src, dst, num_heads, cos, sin,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
+):  # fmt: skip
+    """One token's ``num_heads`` heads from the row at ``src`` to the row at ``dst`` (heads
+    dense, ``HEAD_DIM`` apart): the first ``2 * HALF`` dims rotated by ``cos``/``sin``
+    ``[1, BLOCK_HALF]``, the other ``PASS`` dims copied. Each value is rounded to the source's
+    dtype, then to the destination's (a K/V pool may hold another dtype)."""
+    i = tl.arange(0, BLOCK_HALF)
+    h = tl.arange(0, BLOCK_H)
+    mask = (h[:, None] < num_heads) & (i < HALF)[None, :]
+    offs = h[:, None] * HEAD_DIM + i[None, :]
+    x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    src_dtype = src.dtype.element_ty
+    dst_dtype = dst.dtype.element_ty
+    tl.store(dst + offs, (x1 * cos - x2 * sin).to(src_dtype).to(dst_dtype), mask=mask)
+    tl.store(dst + offs + HALF, (x2 * cos + x1 * sin).to(src_dtype).to(dst_dtype), mask=mask)
+    if PASS > 0:
+        j = tl.arange(0, BLOCK_PASS)
+        rest = (h[:, None] < num_heads) & (j[None, :] < PASS)
+        kept_offs = h[:, None] * HEAD_DIM + 2 * HALF + j[None, :]
+        kept = tl.load(src + kept_offs, mask=rest, other=0.0)
+        tl.store(dst + kept_offs, kept.to(dst_dtype), mask=rest)
+
+
+@triton.jit
+def _cos_sin(table_ptr, pos, stride_table, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The ``[1, BLOCK_HALF]`` cos and sin rows of position ``pos`` (``table[p] = [cos|sin]``)."""
+    i = tl.arange(0, BLOCK_HALF)
+    row = table_ptr + pos * stride_table + i
+    cos = tl.load(row, mask=i < HALF, other=0.0)[None, :]
+    sin = tl.load(row + HALF, mask=i < HALF, other=0.0)[None, :]
+    return cos, sin
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr, out_ptr, positions_ptr, table_ptr,
     stride_x, stride_out, stride_table, num_heads,
@@ -84,28 +122,11 @@ def _rope_kernel(
     BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
 ):  # fmt: skip
     """Token ``t``, all heads: the first ``2 * HALF`` dims of each head rotated by the cos/sin
-    row of its position (``table[p] = [cos | sin]``), the other ``PASS`` dims copied."""
+    row of its position, the other ``PASS`` dims copied."""
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + t)
-    i = tl.arange(0, BLOCK_HALF)
-    h = tl.arange(0, BLOCK_H)
-    i_mask = i < HALF
-    mask = (h[:, None] < num_heads) & i_mask[None, :]
-    cos = tl.load(table_ptr + pos * stride_table + i, mask=i_mask, other=0.0)[None, :]
-    sin = tl.load(table_ptr + pos * stride_table + HALF + i, mask=i_mask, other=0.0)[None, :]
-    src = x_ptr + t * stride_x + h[:, None] * HEAD_DIM + i[None, :]
-    dst = out_ptr + t * stride_out + h[:, None] * HEAD_DIM + i[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    tl.store(dst, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
-    if PASS > 0:
-        j = tl.arange(0, BLOCK_PASS)
-        rest = (h[:, None] < num_heads) & (j[None, :] < PASS)
-        offs = h[:, None] * HEAD_DIM + 2 * HALF + j[None, :]
-        kept = tl.load(x_ptr + t * stride_x + offs, mask=rest, other=0.0)
-        tl.store(out_ptr + t * stride_out + offs, kept, mask=rest)
+    cos, sin = _cos_sin(table_ptr, tl.load(positions_ptr + t), stride_table, HALF, BLOCK_HALF)
+    _rotate_heads(x_ptr + t * stride_x, out_ptr + t * stride_out, num_heads, cos, sin,
+                  HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF, PASS, BLOCK_PASS)  # fmt: skip
 
 
 def rope(
@@ -196,3 +217,67 @@ def store_kv(
             k_buf, v_buf, loc, k_rows, v_rows, k_buf.stride(0), v_buf.stride(0),
             k_rows.stride(0), v_rows.stride(0), width, BLOCK=triton.next_power_of_2(width),
         )  # fmt: skip
+
+
+@triton.jit
+def _rope_store_kv_kernel(
+    q_ptr, k_ptr, v_ptr, q_out_ptr, k_buf_ptr, v_buf_ptr, loc_ptr, positions_ptr, table_ptr,
+    stride_q, stride_k, stride_v, stride_q_out, stride_kbuf, stride_vbuf, stride_table,
+    num_heads, num_kv_heads,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """Token ``t``: its q heads rotated to row ``t`` of the output, its k heads rotated and its
+    v heads copied to slot ``loc[t]`` of the pool."""
+    t = tl.program_id(0).to(tl.int64)
+    cos, sin = _cos_sin(table_ptr, tl.load(positions_ptr + t), stride_table, HALF, BLOCK_HALF)
+    slot = tl.load(loc_ptr + t).to(tl.int64)
+    _rotate_heads(q_ptr + t * stride_q, q_out_ptr + t * stride_q_out, num_heads, cos, sin,
+                  HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF, PASS, BLOCK_PASS)  # fmt: skip
+    _rotate_heads(k_ptr + t * stride_k, k_buf_ptr + slot * stride_kbuf, num_kv_heads, cos, sin,
+                  HEAD_DIM, HALF, BLOCK_KVH, BLOCK_HALF, PASS, BLOCK_PASS)  # fmt: skip
+    cols = tl.arange(0, BLOCK_V)
+    mask = cols < num_kv_heads * HEAD_DIM
+    v = tl.load(v_ptr + t * stride_v + cols, mask=mask)
+    tl.store(v_buf_ptr + slot * stride_vbuf + cols, v.to(v_buf_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    table: torch.Tensor,
+    head_dim: int,
+    rotary_dim: int,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    loc: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`rope` of ``q`` and of ``k`` and :func:`store_kv` of the rotated k and ``v``, in
+    one kernel: returns the rotated ``q`` (a new ``[T, H * head_dim]`` tensor) and writes
+    ``k_buf[loc]`` and ``v_buf[loc]``, the same bits as those two calls.
+
+    ``q`` ``[T, H * head_dim]``, ``k``/``v`` ``[T, KVH * head_dim]`` (views into a fused qkv
+    row are fine: only the last dim must be dense); ``k_buf``/``v_buf`` ``[slots, KVH,
+    head_dim]`` with dense slots; ``loc`` ``[T]`` distinct slots; ``positions``/``table`` as
+    for :func:`rope`."""
+    num_tokens = q.shape[0]
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    out = torch.empty((num_tokens, q.shape[1]), dtype=q.dtype, device=q.device)
+    num_kv_heads = k_buf.shape[1]
+    if k_buf[0].stride() != (head_dim, 1) or v_buf[0].stride() != (head_dim, 1):
+        raise ValueError("rope_store_kv needs pools whose slots are dense [KVH, head_dim] rows")
+    half, pass_dims = rotary_dim // 2, head_dim - rotary_dim
+    if num_tokens:
+        _rope_store_kv_kernel[(num_tokens,)](
+            q, k, v, out, k_buf, v_buf, loc, positions, table,
+            q.stride(0), k.stride(0), v.stride(0), out.stride(0), k_buf.stride(0),
+            v_buf.stride(0), table.stride(0), q.shape[1] // head_dim, num_kv_heads,
+            HEAD_DIM=head_dim, HALF=half, BLOCK_H=triton.next_power_of_2(q.shape[1] // head_dim),
+            BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
+            BLOCK_HALF=triton.next_power_of_2(half), PASS=pass_dims,
+            BLOCK_PASS=triton.next_power_of_2(max(pass_dims, 1)),
+            BLOCK_V=triton.next_power_of_2(num_kv_heads * head_dim), **_LAUNCH,
+        )  # fmt: skip
+    return out

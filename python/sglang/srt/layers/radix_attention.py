@@ -10,8 +10,8 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 def _run_backend(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     layer: RadixAttention,
     forward_batch: ForwardBatch,
 ) -> torch.Tensor:
@@ -50,9 +50,14 @@ class RadixAttention(nn.Module):
         self.layer_id = layer_id
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        forward_batch: ForwardBatch,
     ) -> torch.Tensor:
-        """``q [T, H*D]``, ``k``/``v`` ``[T, KVH*D]`` -> ``[T, H*D]``; writes k/v to the KV pool."""
+        """``q [T, H*D]``, ``k``/``v`` ``[T, KVH*D]`` -> ``[T, H*D]``; writes k/v to the KV pool
+        (``k``/``v`` None: the caller has written them there already)."""
         return _run_backend(q, k, v, self, forward_batch)
 
     def extra_repr(self) -> str:

@@ -26,12 +26,15 @@ Anything else (e.g. ``"longrope"``) raises ValueError.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from sglang.srt.layers import cpu_fused_ops
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 
 def _base_inv_freq(rope_theta: float, rotary_dim: int) -> torch.Tensor:
@@ -215,6 +218,38 @@ class RotaryEmbedding(nn.Module):
                 return fused_elementwise.rope(x, positions, table, self.head_dim, self.rotary_dim)
         cos, sin = self._cos_sin_at(positions)
         return self._rotate(x, cos, sin)
+
+    def stores_kv(self, positions: torch.Tensor, pool: MHATokenToKVPool | None) -> bool:
+        """Whether :meth:`rotate_and_store` serves this pass: the Triton kernels are on (the
+        model runner sets both flags on CUDA) and nothing is being traced."""
+        return (
+            self.use_triton_fused_ops
+            and pool is not None
+            and pool.use_triton_store
+            and positions.dtype == torch.int64
+            and not torch.compiler.is_compiling()
+        )
+
+    def rotate_and_store(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        loc: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotate ``q`` ``[T, H*D]`` (returned, a new tensor) and ``k`` ``[T, KVH*D]``, and
+        write the rotated k and ``v`` to slots ``loc`` of ``k_buf``/``v_buf`` ``[slots, KVH,
+        D]``: one Triton kernel instead of a rotation and a K/V store (one kernel fewer per
+        layer, ~1 us of a ~1 ms batch-1 step on an H100). Only where :meth:`stores_kv`."""
+        from sgl_kernel import fused_elementwise  # triton: loaded where it is used
+
+        table = self._cache_on(q.device)
+        return fused_elementwise.rope_store_kv(
+            q, k, v, positions, table, self.head_dim, self.rotary_dim, k_buf, v_buf, loc
+        )
 
     def extra_repr(self) -> str:
         return (

@@ -116,13 +116,35 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        q, k, v = self.project_qkv(positions, hidden_states)
-        return self.o_proj(self.attn(q, k, v, forward_batch))
+        rope_stores = self.rotary_emb.stores_kv(positions, forward_batch.token_to_kv_pool)
+        q, k, v = self.project_qkv(positions, hidden_states, rotate=not rope_stores)
+        return self.o_proj(self.attend(positions, q, k, v, forward_batch, rope_stores))
+
+    def attend(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        forward_batch: ForwardBatch,
+        rope_stores: bool,
+    ) -> torch.Tensor:
+        """Attention of ``q``/``k``/``v`` from :meth:`project_qkv`. ``rope_stores``: they are
+        not rotated yet; one kernel rotates q and k and writes k and v to the KV pool
+        (``RotaryEmbedding.rotate_and_store``), and the backend reads them from there."""
+        if not rope_stores:
+            return self.attn(q, k, v, forward_batch)
+        k_buf, v_buf = forward_batch.kv_pool.get_kv_buffer(self.attn.layer_id)
+        q = self.rotary_emb.rotate_and_store(
+            positions, q, k, v, k_buf, v_buf, forward_batch.out_cache_loc
+        )
+        return self.attn(q, None, None, forward_batch)
 
     def project_qkv(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, rotate: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(q, k, v)`` of ``hidden_states``: the qkv product, q/k norms, RoPE on q and k."""
+        """``(q, k, v)`` of ``hidden_states``: the qkv product, q/k norms, RoPE on q and k
+        (not with ``rotate`` False)."""
         qkv = self.qkv_proj(hidden_states)
         qk_size = self.q_size + self.kv_size
         qk, v = qkv[:, :qk_size], qkv[:, qk_size:]
@@ -131,8 +153,10 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).view(-1, self.q_size)
             k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).view(-1, self.kv_size)
             qk = torch.cat([q, k], dim=-1)
-        # q and k side by side are rotated in one pass (fewer small ops per layer).
-        q, k = self.rotary_emb.rotate(positions, qk).split([self.q_size, self.kv_size], dim=-1)
+        if rotate:
+            # q and k side by side are rotated in one pass (fewer small ops per layer).
+            qk = self.rotary_emb.rotate(positions, qk)
+        q, k = qk.split([self.q_size, self.kv_size], dim=-1)
         return q, k, v
 
 
@@ -170,23 +194,29 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp output, residual stream)``; their sum is the layer's output."""
-        q, k, v, residual = self.pre_attention(positions, hidden_states, residual)
-        attn_out = self.self_attn.attn(q, k, v, forward_batch)
+        rope_stores = self.self_attn.rotary_emb.stores_kv(positions, forward_batch.token_to_kv_pool)
+        q, k, v, residual = self.pre_attention(positions, hidden_states, residual, not rope_stores)
+        attn_out = self.self_attn.attend(positions, q, k, v, forward_batch, rope_stores)
         return self.post_attention(attn_out, residual)
 
     # The layer around its attention call, as two functions of tensors only (no ForwardBatch):
     # --enable-torch-compile compiles each into one graph shared by all layers
     # (model_executor/cpu_torch_compile.py).
     def pre_attention(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotate: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Input norm (with the residual add) and q/k/v: ``(q, k, v, residual stream)``."""
+        """Input norm (with the residual add) and q/k/v: ``(q, k, v, residual stream)``;
+        ``rotate`` as for :meth:`LlamaAttention.project_qkv`."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        q, k, v = self.self_attn.project_qkv(positions, hidden_states)
+        q, k, v = self.self_attn.project_qkv(positions, hidden_states, rotate)
         return q, k, v, residual
 
     def post_attention(

@@ -24,6 +24,9 @@ class AttentionBackend(ABC):
     h reads KV head ``h // (num_heads // num_kv_heads)``).
 
     Shapes: ``q [T, H*D]``, ``k``/``v`` ``[T, KVH*D]``, result ``[T, H*D]`` in q's dtype.
+    ``k`` and ``v`` are None when the model wrote them to the pool itself (one fused kernel
+    with the rotary embedding on CUDA): :meth:`store_kv` then writes nothing, and
+    :meth:`store_and_read_kv` reads them back.
     """
 
     @abstractmethod
@@ -35,22 +38,45 @@ class AttentionBackend(ABC):
 
     @staticmethod
     def store_kv(
-        k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+    ) -> None:
         """Write the new K/V at ``forward_batch.out_cache_loc`` of layer ``layer.layer_id``;
-        returns them as ``[T, KVH, D]`` views."""
-        k = k.view(-1, layer.num_kv_heads, layer.head_dim)
-        v = v.view(-1, layer.num_kv_heads, layer.head_dim)
+        nothing when they are None (the model wrote them already)."""
+        if k is None or v is None:
+            return
         forward_batch.kv_pool.set_kv_buffer(
-            layer.layer_id, forward_batch.out_cache_loc, k, v
+            layer.layer_id,
+            forward_batch.out_cache_loc,
+            k.view(-1, layer.num_kv_heads, layer.head_dim),
+            v.view(-1, layer.num_kv_heads, layer.head_dim),
         )
-        return k, v
+
+    @classmethod
+    def store_and_read_kv(
+        cls,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`store_kv`, and the new K/V as ``[T, KVH, D]`` tensors for a backend that
+        reads them other than through the pool (read back from it when they were None: a
+        gather per layer, which the Triton backend never needs)."""
+        cls.store_kv(k, v, layer, forward_batch)
+        if k is None or v is None:
+            k_cache, v_cache = forward_batch.kv_pool.get_kv_buffer(layer.layer_id)
+            return k_cache[forward_batch.out_cache_loc], v_cache[forward_batch.out_cache_loc]
+        shape = (-1, layer.num_kv_heads, layer.head_dim)
+        return k.view(shape), v.view(shape)
 
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: RadixAttention,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
@@ -63,8 +89,8 @@ class AttentionBackend(ABC):
     def forward_extend(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: RadixAttention,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
@@ -74,8 +100,8 @@ class AttentionBackend(ABC):
     def forward_decode(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: RadixAttention,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:

@@ -82,8 +82,8 @@ class DeterministicAttnBackend(AttentionBackend):
     def forward_extend(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: RadixAttention,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:

@@ -267,8 +267,8 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward_decode(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: RadixAttention,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
@@ -337,12 +337,12 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward_extend(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: RadixAttention,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
-        k, v = self.store_kv(k, v, layer, forward_batch)
+        k, v = self.store_and_read_kv(k, v, layer, forward_batch)
         meta: ExtendMetadata = forward_batch.attn_metadata
         k_cache, v_cache = forward_batch.kv_pool.get_kv_buffer(layer.layer_id)
         q_rows = q.reshape(-1, layer.num_heads * layer.head_dim)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_test_utils import ids_and_logprobs
+from engine_test_utils import CUDA_POOL, ids_and_logprobs
 from model_test_utils import TEST_DEVICE, BatchBuilder, hf_greedy, load_from_hf
 from test_determinism import assert_prefill_logprobs_equal_decode
 from test_entropy_kernel import make_info
@@ -188,6 +188,7 @@ def triton_engine(tiny_model_dir):
         device=TEST_DEVICE,
         random_seed=0,
         log_level="warning",
+        **CUDA_POOL,  # a pool sized from free memory fails beside other tests' engines
     ) as engine:
         yield engine
 

@@ -126,11 +126,11 @@ def bench_pivots(args: argparse.Namespace, batch: int) -> str:
     default = kernel._tiling
 
     def with_pivots(num: int) -> Callable[[], object]:
-        tiling = default(logits.device, args.vocab)
+        tiling = default(logits.device, args.vocab, batch)
         tiling = tiling._replace(num_pivots=num, searches=kernel._search_launches(num))
 
         def run() -> object:
-            kernel._tiling = lambda device, vocab_size: tiling
+            kernel._tiling = lambda device, vocab_size, num_rows: tiling
             try:
                 return sampler.forward(logits, info, True, None)
             finally:

@@ -73,7 +73,8 @@ def _recorded_sampler_launches() -> list[tuple[object, dict[str, str], dict]]:
     saved = {k: k.run for k in kernels}
     vocab = 151936
     batches = [  # (params, entropy requests, logits dtype): all greedy, a plain batch, min-p
-        # alone (no search), every feature
+        # alone (no search), every feature; 5 rows search with fewer pivots than 2
+        ([{"temperature": 1.0, "top_k": 20, "top_p": 0.8}] * 5, None, torch.float32),
         ([{"temperature": 0.0}] * 2, None, torch.float32),
         ([{"temperature": 0.0}, {"temperature": 1.0}], None, torch.bfloat16),
         ([{"temperature": 0.7, "min_p": 0.1}, {"temperature": 1.0}], [("raw", 0), None],
@@ -103,7 +104,9 @@ def _recorded_sampler_launches() -> list[tuple[object, dict[str, str], dict]]:
 def _as_cuda():
     """Plan the sampler's launches for a GPU (its tiling) while the tensors stay on the CPU."""
     tiling = sampling._tiling
-    sampling._tiling = lambda device, vocab_size: tiling(torch.device("cuda"), vocab_size)
+    sampling._tiling = lambda device, vocab_size, num_rows: tiling(
+        torch.device("cuda"), vocab_size, num_rows
+    )
     try:
         yield
     finally:
@@ -163,6 +166,11 @@ def main(capability: int) -> None:
                       "BLOCK_HALF": half, "PASS": rest,
                       "BLOCK_PASS": triton.next_power_of_2(max(rest, 1))}  # fmt: skip
             _compile(target, fe._rope_kernel, types, consts, **fe._LAUNCH)
+            store_types = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "q_out_ptr": ptr,
+                           "k_buf_ptr": ptr, "v_buf_ptr": ptr, "loc_ptr": "*i64",
+                           "positions_ptr": "*i64", "table_ptr": "*fp32"}  # fmt: skip
+            store_consts = {**consts, "BLOCK_KVH": 4, "BLOCK_V": 4 * head_dim}
+            _compile(target, fe._rope_store_kv_kernel, store_types, store_consts, **fe._LAUNCH)
         types = {"x_ptr": ptr, "out_ptr": ptr}
         _compile(target, fe._silu_and_mul_kernel, types, {"BLOCK": fe._SILU_BLOCK}, **fe._LAUNCH)
         types = {"k_buf_ptr": ptr, "v_buf_ptr": ptr, "loc_ptr": "*i64", "k_ptr": ptr, "v_ptr": ptr}

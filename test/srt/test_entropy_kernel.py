@@ -143,7 +143,7 @@ def test_backends_match_contract(kernel, dtype: torch.dtype, vocab: int, num_row
         assert got.entropies is not None and bool(torch.isfinite(got.entropies).all())
 
 
-@pytest.mark.parametrize("num_pivots", [8, 16])
+@pytest.mark.parametrize("num_pivots", [8, 16, 32])
 def test_rows_cut_into_many_tiles_match_contract(kernel, monkeypatch, num_pivots: int):
     """The GPU's layout at a small scale: rows of 1,000 logits in 8 tiles of 128 columns, so the
     tiles' partials, their merge and the atomic search counts all run (by default the
@@ -153,7 +153,7 @@ def test_rows_cut_into_many_tiles_match_contract(kernel, monkeypatch, num_pivots
     tiles, whole tiles above the top-k / top-p threshold: those are counted without compares."""
     vocab, block = 1000, 128
     tiling = kernel._Tiling(block, 32, 8, 8, num_pivots, kernel._search_launches(num_pivots))
-    monkeypatch.setattr(kernel, "_tiling", lambda device, vocab_size: tiling)
+    monkeypatch.setattr(kernel, "_tiling", lambda device, vocab_size, num_rows: tiling)
     logits = special_rows(5, vocab, torch.Generator().manual_seed(num_pivots))
     wide = torch.linspace(-1e30, 1e30, vocab)[torch.randperm(vocab, generator=torch.Generator())]
     ramp = torch.linspace(6.0, -6.0, vocab)

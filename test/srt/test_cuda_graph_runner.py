@@ -1,7 +1,8 @@
 """The padded static-buffer decode path of the CUDA graph runner, run without capture on CPU:
 padding a decode batch up to a captured size changes no token and no logprob, also when the
 batch shrinks and grows between steps (stale rows of a larger step must not write K/V into a
-live request's slots). The captured path itself is checked on a GPU (test_cuda_graph_gpu.py)."""
+live request's slots); short prefills through it, a row per new token, equal eager prefills.
+The captured path itself is checked on a GPU (test_cuda_graph_gpu.py)."""
 
 from __future__ import annotations
 
@@ -27,26 +28,47 @@ STEPS = [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [0, 1, 2], [0, 1, 2, 3, 4], [3], [3],
 
 class Lane:
     """One runner and its own slots, decoding the prompts greedily; ``padded`` routes its
-    decode steps through a DecodeGraphRunner without capture."""
+    decode steps (and with ``prefill`` its prefills) through a DecodeGraphRunner without
+    capture."""
 
-    def __init__(self, runner: ModelRunner, padded: bool) -> None:
+    def __init__(
+        self, runner: ModelRunner, padded: bool, prefill: bool = False, sizes: list[int] = SIZES
+    ) -> None:
         self.runner = runner
         self.builder = BatchBuilder(
             runner.model.config, dtype=runner.dtype, num_slots=RUNNER_SLOTS - 1, max_reqs=8
         )
         self.graphs = (
             DecodeGraphRunner(
-                runner._forward_eager, self.builder.req_to_token_pool, SIZES, "cpu", capture=False
+                runner._forward_eager,
+                self.builder.req_to_token_pool,
+                sizes,
+                "cpu",
+                capture=False,
+                prefill=prefill,
             )
             if padded
             else None
         )
         self.last: list[int] = []
 
-    def prefill(self) -> torch.Tensor:
-        batch = self.builder.extend([(f"r{i}", p) for i, p in enumerate(PROMPTS)])
-        logits = self.runner.forward(batch).next_token_logits
-        self.last = logits.argmax(-1).tolist()
+    def prefill(self, reqs: list[tuple[int, list[int]]] | None = None) -> torch.Tensor:
+        """Prefill ``reqs`` (request index, new tokens; default: every prompt): after a
+        cached prefix for a request prefilled before."""
+        if reqs is None:
+            reqs = list(enumerate(PROMPTS))
+        batch = self.builder.extend([(f"r{i}", tokens) for i, tokens in reqs])
+        if self.graphs is not None and self.graphs.prefill:
+            assert self.graphs.can_run(batch)
+            before = self.graphs.num_prefill_replays
+            logits = self.graphs.run(batch).next_token_logits
+            assert self.graphs.num_prefill_replays == before + 1
+        else:
+            logits = self.runner.forward(batch).next_token_logits
+        assert logits.shape[0] == len(reqs)  # a row per request: its last new token's
+        self.last += [0] * (len(PROMPTS) - len(self.last))
+        for (i, _), token in zip(reqs, logits.argmax(-1).tolist()):
+            self.last[i] = token
         return logits
 
     def decode(self, which: list[int]) -> torch.Tensor:
@@ -87,6 +109,37 @@ def test_padding_changes_no_token_and_no_logprob(
             torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_short_prefills_through_the_graphs_equal_eager_prefills(
+    tiny_model_dir: Callable[..., Path], deterministic: bool
+) -> None:
+    """Prefills replayed a row per new token (as on CUDA, with the Triton attention backend):
+    five prompts (23 tokens, padded to 32 rows), then two requests going on after their cached
+    prefixes (5 tokens, padded to 8), then decode steps reading the K/V those prefills stored.
+    The same tokens as eager prefills, and in deterministic mode the same bits."""
+    path = tiny_model_dir()
+    kwargs: dict = {"disable_cpu_fused_ops": True, "attention_backend": "triton"}
+    if deterministic:
+        kwargs["enable_deterministic_inference"] = True
+    sizes = [1, 2, 4, 8, 16, 32]
+    eager = Lane(make_runner(path, **kwargs), padded=False)
+    padded = Lane(make_runner(path, **kwargs), padded=True, prefill=True, sizes=sizes)
+    steps = [(eager.prefill(), padded.prefill())]
+    more = [(0, [11, 12, 13]), (3, [14, 15])]
+    steps.append((eager.prefill(more), padded.prefill(more)))
+    steps += [(eager.decode(which), padded.decode(which)) for which in STEPS[:3]]
+    assert padded.graphs is not None and padded.graphs.num_prefill_replays == 2
+    for want, got in steps:
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        want_lp, got_lp = want.log_softmax(-1), got.log_softmax(-1)
+        if deterministic:
+            # The per-query attention and batch-invariant products in both: row by row, the
+            # bits of an eager prefill (prefill/decode consistency).
+            assert torch.equal(got_lp, want_lp)
+        else:
+            torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-5)
+
+
 def test_runner_takes_only_graph_batches(tiny_model_dir: Callable[..., Path]) -> None:
     lane = Lane(make_runner(tiny_model_dir()), padded=True)
     graphs = lane.graphs
@@ -99,6 +152,15 @@ def test_runner_takes_only_graph_batches(tiny_model_dir: Callable[..., Path]) ->
     with_lora.lora_names = ["adapter"]
     assert not graphs.can_run(with_lora)
     assert [graphs.padded_size(b) for b in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    with_prefill = DecodeGraphRunner(
+        lane.runner._forward_eager, lane.builder.req_to_token_pool, SIZES, "cpu",
+        capture=False, prefill=True,
+    )  # fmt: skip
+    assert with_prefill.can_run(lane.builder.extend([("c", [1, 2]), ("d", [3, 4, 5, 6, 7, 8])]))
+    assert not with_prefill.can_run(lane.builder.extend([("e", list(range(1, 10)))]))  # 9 > 8
+    with_prompt_logprobs = lane.builder.extend([("f", [1, 2, 3])])
+    with_prompt_logprobs.input_logprob_rows = torch.tensor([0, 1])
+    assert not with_prefill.can_run(with_prompt_logprobs)
     exact = DecodeGraphRunner(
         lane.runner._forward_eager, lane.builder.req_to_token_pool, [1, 4], "cpu",
         capture=False, pad=False,

@@ -247,6 +247,12 @@ class ServerArgs:
         "CUDA: replay a graph only for a batch of exactly a captured size (no padding rows); "
         "other sizes run eagerly.",
     )
+    disable_cuda_graph_prefill: bool = _arg(
+        False,
+        "CUDA: run every prefill eagerly. By default a prefill of at most --cuda-graph-max-bs "
+        "new tokens (without prompt logprobs or LoRA) replays the decode graphs, one row per "
+        "token.",
+    )
     disable_overlap_schedule: bool = _arg(
         False,
         "CUDA: commit each decode step before launching the next. By default a steady decode "

@@ -18,6 +18,13 @@ The graphs point at the static buffers, the weights and the KV pool: weight upda
 the parameters in place and stay valid; releasing the weights or the KV cache (which frees
 those tensors) must :meth:`release` the graphs first and :meth:`capture` them again after.
 
+A short prefill (at most the largest captured size in new tokens) replays the same graphs with
+one row per new token: the decode graphs compute each row as a query at its own position over
+its request's keys, which is what a prefill token is once every new token's K/V is stored
+(each layer stores the step's K/V before its attention reads them). The logits of each
+request's last new token are the step's. An eager prefill costs ~20-30 ms of host time on a GPU
+(hundreds of launches); a replay about one decode step.
+
 ``capture=False`` runs the same padded path eagerly (any device, no graph): how CPU CI checks
 that padding changes no token and no logprob.
 """
@@ -90,7 +97,9 @@ class DecodeGraphRunner:
 
     ``forward`` is the model runner's eager forward (it attaches the KV pool and attention
     backend and runs the model). ``pad`` False replays a graph only for a batch of exactly a
-    captured size.
+    captured size. ``prefill``: short prefills replay the graphs too, a row per new token; the
+    attention backend must then read each row's key count from its position on the device
+    (the Triton backends do), since several rows share a request.
     """
 
     def __init__(
@@ -102,6 +111,7 @@ class DecodeGraphRunner:
         *,
         capture: bool = True,
         pad: bool = True,
+        prefill: bool = False,
     ) -> None:
         if not batch_sizes:
             raise ValueError("no batch size to capture")
@@ -111,8 +121,10 @@ class DecodeGraphRunner:
         self.max_bs = self.batch_sizes[-1]
         self.use_graphs = capture
         self.pad = pad
+        self.prefill = prefill
         self.graph_memory_bytes = 0  # measured at the last capture
         self.num_replays = 0  # decode steps run through the padded path
+        self.num_prefill_replays = 0  # prefill steps run through it
         # Static inputs, padding values in every row until a step writes its own.
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self.positions = torch.full((self.max_bs,), _PAD_POSITION, dtype=torch.int64, device=device)
@@ -131,15 +143,24 @@ class DecodeGraphRunner:
     def captured(self) -> bool:
         return bool(self._graphs)
 
+    def _rows(self, batch: ForwardBatch) -> int | None:
+        """The rows ``batch`` takes in a graph (a request per row in decode, a new token per
+        row in a prefill), or None when it is not a kind the runner takes."""
+        if batch.lora_names is not None or batch.input_logprob_rows is not None:
+            return None
+        if batch.forward_mode == ForwardMode.DECODE:
+            return batch.batch_size
+        return batch.num_tokens if self.prefill else None
+
     def can_run(self, batch: ForwardBatch) -> bool:
         """Whether ``batch`` takes the padded path: a decode step of at most ``max_bs``
-        requests (exactly a captured size without padding), without LoRA adapters or prompt
-        logprobs, and with the graphs captured (when they are used)."""
-        if batch.forward_mode != ForwardMode.DECODE or batch.batch_size > self.max_bs:
+        requests, or with ``prefill`` a prefill of at most ``max_bs`` new tokens (exactly a
+        captured size without padding), without LoRA adapters or prompt logprobs, and with the
+        graphs captured (when they are used)."""
+        rows = self._rows(batch)
+        if rows is None or rows > self.max_bs:
             return False
-        if batch.lora_names is not None or batch.input_logprob_rows is not None:
-            return False
-        if not self.pad and batch.batch_size not in self.batch_sizes:
+        if not self.pad and rows not in self.batch_sizes:
             return False
         return self.captured or not self.use_graphs
 
@@ -148,25 +169,43 @@ class DecodeGraphRunner:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch_size)]
 
     def run(self, batch: ForwardBatch) -> LogitsProcessorOutput:
-        """The logits of decode ``batch`` (precondition: :meth:`can_run`), rows in batch order.
-        The returned tensor is overwritten by the next step."""
-        bs = batch.batch_size
-        size = self.padded_size(bs)
-        self.input_ids[:bs].copy_(batch.input_ids)
-        self.positions[:bs].copy_(batch.positions)
-        self.out_cache_loc[:bs].copy_(batch.out_cache_loc)
-        self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
-        if size > bs:
+        """The logits of ``batch`` (precondition: :meth:`can_run`), a row per request in batch
+        order. The returned tensor of a decode step is overwritten by the next step."""
+        last_rows = kv_lens = None
+        if batch.forward_mode == ForwardMode.DECODE:
+            rows, pool_rows = batch.batch_size, batch.req_pool_indices
+        else:
+            rows = batch.num_tokens
+            new_lens = batch.extend_seq_lens_cpu
+            repeats = torch.tensor(new_lens, device=batch.req_pool_indices.device)
+            pool_rows = batch.req_pool_indices.repeat_interleave(repeats, output_size=rows)
+            last_rows = torch.cumsum(repeats, 0) - 1  # each request's last new token
+            kv_lens = [
+                prefix + j
+                for prefix, n in zip(batch.extend_prefix_lens_cpu, new_lens)
+                for j in range(n)
+            ]
+        size = self.padded_size(rows)
+        self.input_ids[:rows].copy_(batch.input_ids)
+        self.positions[:rows].copy_(batch.positions)
+        self.out_cache_loc[:rows].copy_(batch.out_cache_loc)
+        self.req_pool_indices[:rows].copy_(pool_rows)
+        if size > rows:
             # A larger step earlier left live slots in these rows.
-            self._pad_rows(bs, size)
+            self._pad_rows(rows, size)
         torch.add(self.positions[:size], 1, out=self.seq_lens[:size])
-        self.num_replays += 1
         if self.use_graphs:
             self._graphs[size].replay()
             logits = self._outputs[size]
         else:
-            logits = self._forward(self._static_batch(size, batch)).next_token_logits
-        return LogitsProcessorOutput(next_token_logits=logits[:bs])
+            if kv_lens is None:
+                kv_lens = batch.extend_prefix_lens_cpu
+            logits = self._forward(self._static_batch(size, kv_lens)).next_token_logits
+        if last_rows is None:
+            self.num_replays += 1
+            return LogitsProcessorOutput(next_token_logits=logits[:rows])
+        self.num_prefill_replays += 1
+        return LogitsProcessorOutput(next_token_logits=logits.index_select(0, last_rows))
 
     def capture(self) -> None:
         """Capture one graph per batch size, largest first (they share one memory pool, sized
@@ -224,12 +263,12 @@ class DecodeGraphRunner:
         self.req_pool_indices[start:end].fill_(self._pad_row)
         torch.add(self.positions[start:end], 1, out=self.seq_lens[start:end])
 
-    def _static_batch(self, size: int, batch: ForwardBatch | None = None) -> ForwardBatch:
+    def _static_batch(self, size: int, kv_lens: list[int] | None = None) -> ForwardBatch:
         """The decode batch of ``size`` rows over views of the static buffers, one object per
         size for the runner's life (as a graph sees it: the same tensors, their contents
-        changed in place). Its host-side lengths are ``batch``'s requests then the padding
-        rows'; without ``batch`` (a capture) the padding rows' only: a graph-safe backend
-        reads lengths on the device only."""
+        changed in place). Its host-side lengths are ``kv_lens`` (the keys before each real
+        row's token) then the padding rows'; without them (a capture) the padding rows' only:
+        a graph-safe backend reads lengths on the device only."""
         static = self._batches.get(size)
         if static is None:
             static = ForwardBatch(
@@ -246,8 +285,8 @@ class DecodeGraphRunner:
                 req_to_token_pool=self._pool,
             )
             self._batches[size] = static
-        pad = size - (batch.batch_size if batch is not None else 0)
-        kv_lens = [*(batch.extend_prefix_lens_cpu if batch is not None else []), *[0] * pad]
+        kv_lens = list(kv_lens or [])
+        kv_lens += [0] * (size - len(kv_lens))
         static.extend_prefix_lens_cpu = kv_lens
         static.seq_lens_cpu = [n + 1 for n in kv_lens]
         return static

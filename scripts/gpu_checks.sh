@@ -9,19 +9,19 @@
 # benchmarked; a directory holding only its config.json and tokenizer files gets random
 # weights of that shape first (speed does not depend on the values). Environment: WHEEL_DIR,
 # a folder of wheels installed first (for a machine without a registry: scripts/gpu_wheels.sh
-# downloads them); PARTS, the parts to run (default: all, "tests bench overlap steps
+# downloads them); PARTS, the parts to run (default: all, "tests bench overlap prefill steps
 # steps-eager sampling launch suites").
 #
 # On an H100 the tests part takes about 4 minutes (each test starts its own engines), the
 # suites about 3-4, the benchmarks together about 4 (--cuda-graph-compare's torch_native run
 # alone can outlast the bench part's limit): run them as two calls (PARTS="tests suites", then
-# PARTS="bench overlap steps steps-eager sampling launch") where one command's time is limited
+# PARTS="bench overlap prefill steps steps-eager sampling launch") where one command's time is limited
 # to 10 minutes.
 set -u
 cd "$(dirname "$0")/.."
 LOG_DIR=${1:-gpu-logs}
 SMOL_DIR=${SMOL_DIR:-models/SmolLM2-135M-Instruct}
-PARTS=${PARTS:-tests bench overlap steps steps-eager sampling launch suites}
+PARTS=${PARTS:-tests bench overlap prefill steps steps-eager sampling launch suites}
 mkdir -p "$LOG_DIR"
 export PYTHONPATH="$PWD/python:$PWD/sgl-kernel/python${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -72,6 +72,10 @@ for p in $PARTS; do
     overlap)
         part overlap 120 python3 benchmark/bench_offline_throughput.py --model-path "$SMOL_DIR" \
             --dtype bfloat16 --device cuda --overlap-compare --num-prompts 256 \
+            --pause-rounds 0 --skip-hf ;;
+    prefill)
+        part prefill 120 python3 benchmark/bench_offline_throughput.py --model-path "$SMOL_DIR" \
+            --dtype bfloat16 --device cuda --prefill-graph-compare --num-prompts 256 \
             --pause-rounds 0 --skip-hf ;;
     steps)
         part steps 60 python3 benchmark/bench_step_breakdown.py --model-path "$SMOL_DIR" \

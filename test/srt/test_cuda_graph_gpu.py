@@ -1,7 +1,8 @@
 """CUDA graphs end to end on a GPU (skipped without one): graphs on == graphs off, in
-deterministic mode to the bit; batches that shrink and grow between padded sizes; pause in every
-mode, weight updates (from disk and from tensors) and memory release/resume with graphs on; the
-overlap schedule (on by default) == --disable-overlap-schedule, to the bit.
+deterministic mode to the bit; batches that shrink and grow between padded sizes; short
+prefills through the graphs == eager prefills, to the bit; pause in every mode, weight updates
+(from disk and from tensors) and memory release/resume with graphs on; the overlap schedule (on
+by default) == --disable-overlap-schedule, to the bit.
 
 The other engine tests (test_engine_pause.py, test_memory_occupation.py, ...) also run with
 graphs on when a GPU is present: on CUDA they are the default."""
@@ -148,6 +149,43 @@ def test_overlap_schedule_equals_sync_bitwise(model_a: Path) -> None:
         assert on["meta_info"]["finish_reason"]["type"] == "stop"
         assert ids_and_logprobs(on) == ids_and_logprobs(off)
         assert on["meta_info"]["output_token_entropy"] == off["meta_info"]["output_token_entropy"]
+
+
+def test_short_prefills_through_the_graphs_equal_eager_prefills_bitwise(model_a: Path) -> None:
+    """Each prompt alone: those of at most cuda_graph_max_bs tokens (all but the 18-token one)
+    prefill through the decode graphs, a row per token, and give the bits of eager prefills
+    (--disable-cuda-graph-prefill) in deterministic mode, entropies included. A request for
+    prompt logprobs prefills eagerly."""
+    outs: dict[bool, list[dict]] = {}
+    for disable in (True, False):
+        with _engine(
+            model_a, enable_deterministic_inference=True, disable_cuda_graph_prefill=disable
+        ) as eng:
+            outs[disable] = [
+                eng.generate(
+                    input_ids=prompt,
+                    sampling_params={"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
+                    return_logprob=True,
+                    return_entropy=True,
+                )
+                for prompt, n in zip(PROMPTS, OUT_LENS)
+            ]
+            prefills = engine_state(eng)["cuda_graph"]["prefill_replays"]
+            short = sum(len(p) <= 16 for p in PROMPTS)
+            assert prefills == 0 if disable else prefills >= short
+            eng.generate(
+                input_ids=PROMPTS[0],
+                sampling_params={"temperature": 0, "max_new_tokens": 2},
+                return_logprob=True,
+                logprob_start_len=0,
+            )
+            assert engine_state(eng)["cuda_graph"]["prefill_replays"] == prefills
+    for graphs, eager in zip(outs[False], outs[True]):
+        assert ids_and_logprobs(graphs) == ids_and_logprobs(eager)
+        assert (
+            graphs["meta_info"]["output_token_entropy"]
+            == eager["meta_info"]["output_token_entropy"]
+        )
 
 
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])

@@ -184,7 +184,7 @@ class ServerArgs:
     disable_cuda_fused_ops: bool = _arg(
         False,
         "CUDA: run the torch ops instead of the fused Triton kernels for the add + RMSNorm, RoPE "
-        "and SiLU-and-mul of each layer (about 20 fewer kernels per layer; "
+        "with the K/V store, and SiLU-and-mul of each layer (about 20 fewer kernels per layer; "
         "docs/cuda_graph.md). Deterministic mode keeps the torch ops and its batch-invariant "
         "norm. No effect on CPU.",
     )
@@ -227,9 +227,9 @@ class ServerArgs:
     )
     disable_cuda_graph: bool = _arg(
         False,
-        "CUDA: run decode steps eagerly instead of replaying the CUDA graphs captured at "
-        "start-up (one graph per batch size of --cuda-graph-bs; a batch is padded up to the "
-        "nearest; larger ones, LoRA batches and prefill run eagerly). No effect on CPU.",
+        "CUDA: run decode steps and short prefills eagerly instead of replaying the CUDA graphs "
+        "captured at start-up (one graph per batch size of --cuda-graph-bs; a batch is padded "
+        "up to the nearest; larger ones and LoRA batches run eagerly). No effect on CPU.",
     )
     cuda_graph_max_bs: int | None = _arg(
         None,

@@ -13,7 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from model_test_utils import RUNNER_SLOTS, BatchBuilder, make_runner
+from scheduler_test_utils import OutputSink, assert_no_leak, control, run_until_idle, submit
 
+from sglang.srt.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
+from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.managers.scheduler_process import build_scheduler
 from sglang.srt.model_executor.cuda_graph_runner import DecodeGraphRunner
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
@@ -204,3 +208,57 @@ def test_a_pass_reads_positions_changed_in_place(tiny_model_dir: Callable[..., P
     lane.runner.forward(batch)  # a pass at position 0 (its K/V is rewritten below)
     batch.positions.copy_(real)
     assert torch.equal(lane.runner.forward(batch).next_token_logits, want)
+
+
+def _scheduler(model_dir: Path, graphs: bool) -> tuple[Scheduler, OutputSink]:
+    """A scheduler over the real model in deterministic mode with the Triton attention backend
+    (the CUDA configuration), 8-token prefill chunks; ``graphs``: its model runner's steps go
+    through a DecodeGraphRunner without capture, prefills included, as on CUDA."""
+    sink = OutputSink()
+    args = ServerArgs(
+        model_path=str(model_dir), device="cpu", random_seed=0, max_total_tokens=1024,
+        attention_backend="triton", enable_deterministic_inference=True,
+        chunked_prefill_size=8, log_level="error",
+    )  # fmt: skip
+    core = build_scheduler(args, sink.on_output, sink.on_reply)
+    runner = core.runner
+    assert runner.graph_runner is None  # not on CPU: attached here
+    if graphs:
+        runner.graph_runner = DecodeGraphRunner(
+            runner._forward_eager, runner.req_to_token_pool, [1, 2, 4, 8], "cpu",
+            capture=False, prefill=True,
+        )  # fmt: skip
+    return core, sink
+
+
+def test_scheduler_with_prefill_graphs_gives_the_bits_of_eager_prefills(
+    tiny_model_dir: Callable[..., Path],
+) -> None:
+    """Through the scheduler: prompts prefilled a row per token (short ones whole, a long one
+    in 8-token chunks), a prompt matched in the prefix cache, and requests retracted and
+    prefilled again with their outputs: the same tokens and logprobs, to the bit, as eager
+    prefills, and nothing leaked."""
+    path = tiny_model_dir()
+    prompts = [[5, 17, 99], [42, 8, 7, 7, 7], list(range(30, 50)), [5, 17, 99, 4]]
+    runs = {}
+    for graphs in (False, True):
+        core, sink = _scheduler(path, graphs)
+        for i, prompt in enumerate(prompts[:3]):
+            submit(core, f"r{i}", prompt, 10, return_logprob=True)
+        for _ in range(4):
+            core.run_step()
+        reply = control(core, sink, PauseGenerationReqInput(mode="retract"))
+        assert reply.num_retracted == 3
+        control(core, sink, ContinueGenerationReqInput())
+        run_until_idle(core)
+        submit(core, "r3", prompts[3], 6, return_logprob=True)  # its first 3 tokens cached
+        run_until_idle(core)
+        assert_no_leak(core)
+        graph_runner = core.runner.graph_runner
+        if graph_runner is not None:
+            # The retracted requests came back with prompt + output (at most 8 tokens each,
+            # or in chunks), r3 after its cached prefix: all replayed.
+            assert graph_runner.num_prefill_replays >= 4
+        runs[graphs] = {rid: (r.output_ids, r.logprobs) for rid, r in sink.by_rid.items()}
+    assert runs[True] == runs[False]
+    assert all(len(ids) == n for (ids, _), n in zip(runs[True].values(), [10, 10, 10, 6]))

@@ -1,8 +1,9 @@
 """The padded static-buffer decode path of the CUDA graph runner, run without capture on CPU:
 padding a decode batch up to a captured size changes no token and no logprob, also when the
 batch shrinks and grows between steps (stale rows of a larger step must not write K/V into a
-live request's slots); short prefills through it, a row per new token, equal eager prefills.
-The captured path itself is checked on a GPU (test_cuda_graph_gpu.py)."""
+live request's slots); short prefills through it, a row per new token, equal eager prefills,
+also through the scheduler (chunks, a cached prefix, a retract). The captured path itself is
+checked on a GPU (test_cuda_graph_gpu.py)."""
 
 from __future__ import annotations
 

@@ -91,6 +91,19 @@ class Lane:
         return logits
 
 
+def _assert_same_steps(steps: list[tuple[torch.Tensor, torch.Tensor]], deterministic: bool) -> None:
+    """Each step's (eager, padded) logits give the same tokens; in deterministic mode the same
+    logprob bits (batch-invariant products and per-query attention, row by row: padding rows
+    and prefill rows change nothing), else within 1e-5."""
+    for want, got in steps:
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        want_lp, got_lp = want.log_softmax(-1), got.log_softmax(-1)
+        if deterministic:
+            assert torch.equal(got_lp, want_lp)
+        else:
+            torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 def test_padding_changes_no_token_and_no_logprob(
     tiny_model_dir: Callable[..., Path], deterministic: bool
@@ -104,14 +117,7 @@ def test_padding_changes_no_token_and_no_logprob(
     padded = Lane(make_runner(path, **kwargs), padded=True)
     steps = [(eager.prefill(), padded.prefill())]
     steps += [(eager.decode(which), padded.decode(which)) for which in STEPS]
-    for want, got in steps:
-        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
-        want_lp, got_lp = want.log_softmax(-1), got.log_softmax(-1)
-        if deterministic:
-            # Batch-invariant products: the padded batch gives the same bits.
-            assert torch.equal(got_lp, want_lp)
-        else:
-            torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-5)
+    _assert_same_steps(steps, deterministic)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
@@ -135,15 +141,7 @@ def test_short_prefills_through_the_graphs_equal_eager_prefills(
     steps.append((eager.prefill(more), padded.prefill(more)))
     steps += [(eager.decode(which), padded.decode(which)) for which in ([0, 1, 2, 3], [3, 0])]
     assert padded.graphs is not None and padded.graphs.num_prefill_replays == 2
-    for want, got in steps:
-        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
-        want_lp, got_lp = want.log_softmax(-1), got.log_softmax(-1)
-        if deterministic:
-            # The per-query attention and batch-invariant products in both: row by row, the
-            # bits of an eager prefill (prefill/decode consistency).
-            assert torch.equal(got_lp, want_lp)
-        else:
-            torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-5)
+    _assert_same_steps(steps, deterministic)
 
 
 def test_runner_takes_only_graph_batches(tiny_model_dir: Callable[..., Path]) -> None:

@@ -171,20 +171,14 @@ class DecodeGraphRunner:
     def run(self, batch: ForwardBatch) -> LogitsProcessorOutput:
         """The logits of ``batch`` (precondition: :meth:`can_run`), a row per request in batch
         order. The returned tensor of a decode step is overwritten by the next step."""
-        last_rows = kv_lens = None
+        last_rows = None
         if batch.forward_mode == ForwardMode.DECODE:
             rows, pool_rows = batch.batch_size, batch.req_pool_indices
         else:
             rows = batch.num_tokens
-            new_lens = batch.extend_seq_lens_cpu
-            repeats = torch.tensor(new_lens, device=batch.req_pool_indices.device)
+            repeats = torch.tensor(batch.extend_seq_lens_cpu, device=batch.req_pool_indices.device)
             pool_rows = batch.req_pool_indices.repeat_interleave(repeats, output_size=rows)
             last_rows = torch.cumsum(repeats, 0) - 1  # each request's last new token
-            kv_lens = [
-                prefix + j
-                for prefix, n in zip(batch.extend_prefix_lens_cpu, new_lens)
-                for j in range(n)
-            ]
         size = self.padded_size(rows)
         self.input_ids[:rows].copy_(batch.input_ids)
         self.positions[:rows].copy_(batch.positions)
@@ -198,9 +192,7 @@ class DecodeGraphRunner:
             self._graphs[size].replay()
             logits = self._outputs[size]
         else:
-            if kv_lens is None:
-                kv_lens = batch.extend_prefix_lens_cpu
-            logits = self._forward(self._static_batch(size, kv_lens)).next_token_logits
+            logits = self._forward(self._static_batch(size, _row_kv_lens(batch))).next_token_logits
         if last_rows is None:
             self.num_replays += 1
             return LogitsProcessorOutput(next_token_logits=logits[:rows])
@@ -290,6 +282,18 @@ class DecodeGraphRunner:
         static.extend_prefix_lens_cpu = kv_lens
         static.seq_lens_cpu = [n + 1 for n in kv_lens]
         return static
+
+
+def _row_kv_lens(batch: ForwardBatch) -> list[int]:
+    """The keys before each graph row's token, for the host-side lengths of an eager pass: a
+    request's in decode, each new token's in a prefill."""
+    if batch.forward_mode == ForwardMode.DECODE:
+        return batch.extend_prefix_lens_cpu
+    return [
+        prefix + j
+        for prefix, n in zip(batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu)
+        for j in range(n)
+    ]
 
 
 def _size_ranges(sizes: list[int]) -> str:

@@ -12,10 +12,14 @@ CPU it is the torch reference (``pytorch``). Ratios compare timings of the same 
     python benchmark/bench_sampling.py                      # B in {1, 64, 256}
     python benchmark/bench_sampling.py --batch-sizes 1 8 --repeats 5
     python benchmark/bench_sampling.py --search-pivots 4 8 16   # tune the triton search
+    python benchmark/bench_sampling.py --verify-compare         # verification on vs off
 
 ``--search-pivots`` (triton backend) instead times the ``trunc`` workload with each pivot count
 per search launch (docs/sampling.md), interleaved, next to the naive sequence: the numbers
 from which the kernel's GPU pivot count was chosen. The results do not depend on the count.
+``--verify-compare`` (triton backend) times ``trunc`` with the kernel's verification of the
+whole-row Gumbel-max (docs/sampling.md) on and off, interleaved, next to the naive sequence,
+and prints the share of rows it settled. The results are the same either way.
 """
 
 from __future__ import annotations
@@ -146,6 +150,32 @@ def bench_pivots(args: argparse.Namespace, batch: int) -> str:
     return f"{batch:>5}  trunc ms by pivots  " + "  ".join(cells)
 
 
+def bench_verify(args: argparse.Namespace, batch: int) -> str:
+    """``trunc`` at ``batch`` rows through the triton kernel with verification on and off,
+    timed interleaved, then the naive sequence; and the share of rows verification settled."""
+    from sgl_kernel import sampling as kernel
+
+    params = WORKLOADS["trunc"]
+    logits = random_logits(args, batch)
+    info = make_info(batch, args.vocab, params, args.entropy_mode, args.device)
+    plan = info.entropy_plan(args.entropy_mode, 0)
+    on, off, naive = timed(
+        [
+            lambda: kernel.sample_triton(logits, info, True, None, plan),
+            lambda: kernel.sample_triton(logits, info, True, None, plan, verify=False),
+            lambda: naive_step(logits, params),
+        ],
+        args.repeats * max(1, 16 // batch),
+        args.device,
+    )
+    settled = kernel.settled_rows(logits, info, plan).float().mean().item()
+    return (
+        f"{batch:>5}  trunc ms  verify on {on * 1e3:.3f}  off {off * 1e3:.3f}  "
+        f"naive {naive * 1e3:.3f}  (off/on {off / on:.2f}x, naive/on {naive / on:.2f}x; "
+        f"{settled:.0%} of rows settled)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
@@ -157,8 +187,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     parser.add_argument(
-        "--search-pivots", type=int, nargs="+", default=None,
+        "--search-pivots",
+        type=int,
+        nargs="+",
+        default=None,
         help="triton: time trunc with these pivot counts per search launch (powers of two)",
+    )
+    parser.add_argument(
+        "--verify-compare",
+        action="store_true",
+        help="triton: time trunc with the kernel's verification on and off",
     )
     args = parser.parse_args()
     if args.backend is None:
@@ -171,6 +209,13 @@ def main() -> None:
         f"{'B':>5} {'work':>6} {'no entropy':>11} {'entropy':>11} {'ent/none':>9} "
         f"{'naive':>11} {'naive/ours':>12}"
     )
+    if args.verify_compare:
+        if args.backend != "triton":
+            parser.error("--verify-compare needs the triton backend")
+        print(header.splitlines()[0], flush=True)
+        for batch in args.batch_sizes:
+            print(bench_verify(args, batch), flush=True)
+        return
     if args.search_pivots:
         if args.backend != "triton":
             parser.error("--search-pivots needs the triton backend")

@@ -10,18 +10,18 @@
 # weights of that shape first (speed does not depend on the values). Environment: WHEEL_DIR,
 # a folder of wheels installed first (for a machine without a registry: scripts/gpu_wheels.sh
 # downloads them); PARTS, the parts to run (default: all, "tests bench overlap prefill steps
-# steps-eager sampling launch suites").
+# steps-eager sampling verify launch suites").
 #
 # On an H100 the tests part takes about 4 minutes (each test starts its own engines), the
 # suites about 3-4, the benchmarks together about 4 (--cuda-graph-compare's torch_native run
 # alone can outlast the bench part's limit): run them as two calls (PARTS="tests suites", then
-# PARTS="bench overlap prefill steps steps-eager sampling launch") where one command's time is limited
-# to 10 minutes.
+# PARTS="bench overlap prefill steps steps-eager sampling verify launch") where one command's
+# time is limited to 10 minutes.
 set -u
 cd "$(dirname "$0")/.."
 LOG_DIR=${1:-gpu-logs}
 SMOL_DIR=${SMOL_DIR:-models/SmolLM2-135M-Instruct}
-PARTS=${PARTS:-tests bench overlap prefill steps steps-eager sampling launch suites}
+PARTS=${PARTS:-tests bench overlap prefill steps steps-eager sampling verify launch suites}
 mkdir -p "$LOG_DIR"
 export PYTHONPATH="$PWD/python:$PWD/sgl-kernel/python${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -85,6 +85,8 @@ for p in $PARTS; do
             --dtype bfloat16 --device cuda --disable-cuda-graph ;;
     sampling)
         part sampling 90 python3 benchmark/bench_sampling.py --device cuda ;;
+    verify)
+        part verify 60 python3 benchmark/bench_sampling.py --device cuda --verify-compare ;;
     launch)
         part launch 40 python3 benchmark/bench_cuda_launch.py ;;
     suites)

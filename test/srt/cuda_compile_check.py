@@ -52,8 +52,8 @@ def _recorded_sampler_launches() -> list[tuple[object, dict[str, str], dict]]:
     (kernel, the argument types, the constexprs). Nothing runs: each kernel's ``run`` is
     replaced by a recorder, so the types compiled are those of the real arguments."""
     launches: list[tuple[object, dict[str, str], dict]] = []
-    kernels = [sampling._stats_kernel, sampling._search_kernel, sampling._final_kernel,
-               sampling._finish_kernel, sampling._log_z_tile_kernel,
+    kernels = [sampling._stats_kernel, sampling._verify_kernel, sampling._search_kernel,
+               sampling._final_kernel, sampling._finish_kernel, sampling._log_z_tile_kernel,
                sampling._log_z_kernel]  # fmt: skip
 
     def recorder(kernel):

@@ -255,8 +255,8 @@ def test_every_triton_kernel_compiles_for_cuda(cuda_compiles, capability: int) -
     assert compiled.count("_rope_store_kv_kernel") == 4
     # The sampler's launches as its host code makes them: top-k/top-p over 5 rows (8 pivots),
     # all greedy, plain sampling, min-p alone, every feature over 2 rows (32 pivots).
-    sampler = {"_stats_kernel": 5, "_search_kernel": 2, "_final_kernel": 3, "_finish_kernel": 5,
-               "_log_z_tile_kernel": 1, "_log_z_kernel": 1}  # fmt: skip
+    sampler = {"_stats_kernel": 5, "_verify_kernel": 2, "_search_kernel": 2, "_final_kernel": 3,
+               "_finish_kernel": 5, "_log_z_tile_kernel": 1, "_log_z_kernel": 1}  # fmt: skip
     assert {name: compiled.count(name) for name in sampler} == sampler
     assert {"_matmul_kernel", "_rms_norm_kernel"} <= set(compiled)
     assert compiled.count("lora_shrink_kernel") == compiled.count("lora_expand_kernel") == 2

@@ -176,6 +176,71 @@ def test_rows_cut_into_many_tiles_match_contract(kernel, monkeypatch, num_pivots
     assert torch.equal(got.logprobs[unit], chosen - kernel.row_logsumexp_triton(logits[unit]))
 
 
+@pytest.mark.parametrize("tiles", [1, 4])
+def test_verification_settles_rows_without_changing_a_result(kernel, monkeypatch, tiles: int):
+    """A truncating row's whole-row Gumbel-max is its token when it lies in the allowed set;
+    verification settles such rows without a search. Results with and without it are the same
+    bits, and the contract's. The rows: peaked and flat, every truncation, ties at the top-k
+    boundary (top_k = the number of tied maxima: one more than the count above a tied winner),
+    masked columns, a NaN (the same bits either way; no contract for it), entropy modes that
+    need the allowed set (never settled). With
+    ``tiles`` 4, the verify pass skips tiles whose maximum is not above the winner's."""
+    vocab = 1000
+    if tiles > 1:
+        searches = kernel._search_launches(16)
+        tiling = kernel._Tiling(256, 32, tiles, tiles, 16, searches)  # 4 x 256 >= 1000 columns
+        monkeypatch.setattr(kernel, "_tiling", lambda device, vocab_size, num_rows: tiling)
+    gen = torch.Generator().manual_seed(tiles)
+    truncating = [p for p in TRUNCATIONS if set(p) != {"temperature"} and p.get("top_k") != 1]
+    rows, params, specs = [], [], []
+    for i in range(2 * len(truncating)):
+        rows.append(torch.randn(vocab, generator=gen) * (1.0, 9.0)[i % 2])
+        params.append(truncating[i % len(truncating)])
+        specs.append([None, ("raw", 0), ("scaled", 0)][i % 3])
+    ties = torch.randint(0, 4, (vocab,), generator=gen).float()
+    top_count = int((ties == 3).sum())
+    for top_k, top_p in ((top_count, 1.0), (top_count + 1, 1.0), (vocab, 0.3), (3 * vocab, 0.99)):
+        rows.append(ties)
+        params.append({"temperature": 1.0, "top_k": min(top_k, vocab), "top_p": top_p})
+        specs.append(None)
+    masked = torch.randn(vocab, generator=gen).index_fill_(0, torch.arange(0, vocab, 2), NEG_INF)
+    nan_row = torch.randn(vocab, generator=gen)
+    nan_row[7] = float("nan")
+    rows += [masked, nan_row, rows[0], rows[1]]
+    params += [{"temperature": 0.8, "top_p": 0.9}] * 2 + [params[0], params[1]]
+    specs += [None, None, ("sampled", 0), ("raw", 5)]  # the last two need the allowed set
+    params.append({"temperature": 0.0})
+    rows.append(rows[2])
+    specs.append(None)
+    logits = on_device(torch.stack(rows))
+    info = make_info(params, vocab, specs)
+    plan = info.entropy_plan("raw", 0)
+    fast = kernel.sample_triton(logits, info, True, None, plan)
+    slow = kernel.sample_triton(logits, info, True, None, plan, verify=False)
+    assert torch.equal(fast.next_token_ids, slow.next_token_ids)
+    for got, ref in ((fast.logprobs, slow.logprobs), (fast.entropies, slow.entropies)):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)
+    # The contract's tokens (its logprobs of these large logits differ in float32 rounding).
+    want = sample_contract(logits, info, False, None).next_token_ids
+    clean = [i for i, row in enumerate(rows) if not bool(row.isnan().any())]
+    assert fast.next_token_ids[clean].tolist() == want[clean].tolist()
+
+    settled = kernel.settled_rows(logits, info, plan).tolist()
+    assert not any(settled[-3:])  # the allowed set's entropy, top-k entropy, greedy
+    num_random = 2 * len(truncating)
+    assert 0 < sum(settled[:num_random]) < num_random  # both paths ran
+    # Peaked rows (scale 9) keep almost all of their mass in the allowed set: most settle.
+    assert sum(settled[1:num_random:2]) >= len(truncating) - 2
+    # The tied rows settle exactly when fewer than top_k logits lie above the whole-row winner:
+    # with top_k = the number of maxima (3), a winner among them; with one more, a 2 too.
+    noise = gumbel_noise(info.seeds.cpu(), info.positions.cpu(), vocab)
+    scores = logits.cpu().float() / info.temperatures.cpu()[:, None] + noise
+    winners = scores.nan_to_num(NEG_INF).argmax(dim=-1)
+    assert settled[num_random] == bool(ties[winners[num_random]] == 3)
+    assert settled[num_random + 1] == bool(ties[winners[num_random + 1]] >= 2)
+    assert settled[num_random + 3]  # top_p 0.99 with every value kept by top_k
+
+
 def test_kernel_reads_any_row_stride_and_skips_entropy_when_unasked(kernel):
     gen = torch.Generator().manual_seed(3)
     wide = on_device(torch.randn(6, 700, generator=gen) * 2)

@@ -15,10 +15,16 @@ partials go to small [B, tiles, fields] buffers; the next kernel combines them.
                                                    (-> scaled entropy); the same of the raw
                                                    logits for raw-entropy rows with T != 1;
                                                    argmax (greedy rows); Gumbel-max of sampled
-                                                   rows that do not truncate
-    search x P   rows with top-k / top-p or the    thresholds by an N-pivot search on the
-                 top-k entropy variant             order-preserving int32 key of the values:
-                                                   each launch narrows the key interval
+                                                   rows over the whole row (that of truncating
+                                                   rows only when they verify)
+    verify       top-k / top-p rows                per row, the count of logits above the
+                                                   whole-row Gumbel-max w's and the mass of x
+                                                   above x_w: the row is settled (w is its
+                                                   token) when w is provably allowed; reads
+                                                   only the tiles whose max is above w's
+    search x P   unsettled rows with top-k /       thresholds by an N-pivot search on the
+                 top-p, rows with the top-k        order-preserving int32 key of the values:
+                 entropy variant                   each launch narrows the key interval
                                                    (N + 1)-fold (on GPUs N = 8: P = 11
                                                    launches settle any int32 interval; N =
                                                    32, P = 7 for up to 4 rows): k-th
@@ -27,8 +33,9 @@ partials go to small [B, tiles, fields] buffers; the next kernel combines them.
                                                    their counts atomically (integers: the
                                                    order does not matter); a tile whose key
                                                    range misses an interval is not read
-    final        truncating rows, and rows whose   per tile: Gumbel-max over {x >= t}; softmax
-                 entropy is over a subset          statistics of the subset
+    final        unsettled truncating rows, and    per tile: Gumbel-max over {x >= t}; softmax
+                 rows whose entropy is over a      statistics of the subset (other rows'
+                 subset                            tiles are not read)
     finish       every row (one program a row)     combines the partials; writes the outputs
 
 Entropy is ``H = log S - A / S`` with ``S = sum exp(v - m)`` and ``A = sum exp(v - m)(v - m)``
@@ -124,11 +131,12 @@ def _stats_kernel(
     positions_ptr, greedy_ptr, ent_modes_ptr, ent_top_ks_ptr, part_ptr, part_idx_ptr,
     vocab_size, num_tiles,
     BLOCK: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_RAW: tl.constexpr,
-    NEED_MIN: tl.constexpr,
+    NEED_MIN: tl.constexpr, VERIFY: tl.constexpr,
 ):  # fmt: skip
     """One tile of one row (grid: tiles x rows): softmax statistics of x (and of the raw
     logits for raw-entropy rows), argmax, minima (search bounds, when NEED_MIN), and the
-    Gumbel-max of a sampled row that does not truncate."""
+    Gumbel-max of a sampled row over the whole row (VERIFY: truncating rows too; else only
+    rows that do not truncate)."""
     tile = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     temp, sampled, _, _, _, uses_k, uses_p, uses_min_p, ent_mode, ent_k, _ = _row_params(
@@ -155,7 +163,7 @@ def _stats_kernel(
         tl.store(out + st.MIN_L, tl.min(tl.where(valid, logit, float("inf")), axis=0))
         tl.store(out + st.MIN_X, tl.min(tl.where(valid, x, float("inf")), axis=0))
     best_l, best_l_idx = st.tile_argmax(logit, cols)
-    gumbel_now = sampled & ~(uses_k | uses_p | uses_min_p)
+    gumbel_now = sampled & (VERIFY | ~(uses_k | uses_p | uses_min_p))
     score = tl.full([BLOCK], float("-inf"), tl.float32)
     if gumbel_now:
         score = x - st.neg_log_gumbel(st.row_noise_key(seeds_ptr, positions_ptr, row), cols)
@@ -165,6 +173,101 @@ def _stats_kernel(
     idx = part_idx_ptr + (row * num_tiles + tile) * 2
     tl.store(idx, best_l_idx)
     tl.store(idx + 1, best_s_idx)
+
+
+@triton.jit
+def _winner(row, logits_ptr, row_stride, part_ptr, part_idx_ptr, num_tiles, temp,
+            TILES: tl.constexpr):  # fmt: skip
+    """The row's Gumbel-max over the whole vocabulary (the stats pass's, VERIFY): (its column,
+    its logit, its x, the row's max of x, log Z)."""
+    m_x, s_x, _, _, _, _, _, _, _, _, winner = _row_stats(
+        part_ptr, part_idx_ptr, row, num_tiles, TILES, False, False, True
+    )
+    logit = tl.load(logits_ptr + row * row_stride + winner).to(tl.float32)
+    return winner, logit, tl.math.div_rn(logit, temp), m_x, m_x + tl.log(s_x)
+
+
+@triton.jit
+def _may_verify(sampled, uses_k, uses_p, uses_min_p, uses_ent_k, ent_mode, log_z):
+    """Whether a row's token may be settled by verification: a sampled, truncating row whose
+    entropy needs no subset (which needs the threshold itself) and whose log Z is finite (no
+    NaN or +inf logit, not all -inf)."""
+    truncates = uses_k | uses_p | uses_min_p
+    subset = uses_ent_k | ((ent_mode == st.SAMPLED) & truncates)
+    return sampled & truncates & ~subset & (tl.abs(log_z) < float("inf"))
+
+
+@triton.jit
+def _verdict(row, logits_ptr, row_stride, part_ptr, part_idx_ptr, verify_ptr, num_tiles,
+             temp, sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, uses_ent_k,
+             ent_mode, TILES: tl.constexpr):  # fmt: skip
+    """Whether the row's whole-row Gumbel-max w lies in its allowed set {x >= t}, so that it is
+    the row's token (the Gumbel-max over a set holding the overall one is that one). Sufficient
+    conditions, each implying x_w >= that criterion's threshold as the search would find it:
+    fewer than top_k logits above w's (the k-th largest is then <= w's), less fixed-point mass
+    than top_p's above x_w (no pivot above x_w holds), x_w >= the min-p threshold. The counts
+    come from the verify pass; every kernel that asks gets the same answer."""
+    _, _, x_w, m_x, log_z = _winner(row, logits_ptr, row_stride, part_ptr, part_idx_ptr,
+                                    num_tiles, temp, TILES)  # fmt: skip
+    counts = verify_ptr + row * 2
+    ok_k = ~uses_k | (tl.load(counts) < top_k)
+    ok_p = ~uses_p | (tl.load(counts + 1) < (top_p * st.MASS_SCALE).to(tl.int64))
+    ok_min_p = ~uses_min_p | (x_w >= m_x + tl.log(tl.where(uses_min_p, min_p, 1.0)))
+    may = _may_verify(sampled, uses_k, uses_p, uses_min_p, uses_ent_k, ent_mode, log_z)
+    return may & ok_k & ok_p & ok_min_p
+
+
+@triton.jit
+def _settled(row, logits_ptr, row_stride, part_ptr, part_idx_ptr, verify_ptr, num_tiles,
+             temp, sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, uses_ent_k,
+             ent_mode, TILES: tl.constexpr, VERIFY: tl.constexpr):  # fmt: skip
+    """:func:`_verdict` when the batch verifies (VERIFY), else False: a settled row's token
+    is its whole-row Gumbel-max, and the searches and the final pass skip it."""
+    settled = row < 0
+    if VERIFY:
+        settled = _verdict(row, logits_ptr, row_stride, part_ptr, part_idx_ptr, verify_ptr,
+                           num_tiles, temp, sampled, top_k, top_p, min_p, uses_k, uses_p,
+                           uses_min_p, uses_ent_k, ent_mode, TILES)  # fmt: skip
+    return settled
+
+
+@triton.jit
+def _verify_kernel(
+    logits_ptr, row_stride, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, greedy_ptr,
+    ent_modes_ptr, ent_top_ks_ptr, part_ptr, part_idx_ptr, verify_ptr, vocab_size, num_tiles,
+    BLOCK: tl.constexpr, TILES: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+):  # fmt: skip
+    """One tile of one row (grid: tiles x rows): add to verify[row] the count of logits above
+    the winner's (top-k rows) and the fixed-point mass of x above x_w (top-p rows), each
+    column's mass truncated as the search truncates it. A tile whose maximum is not above the
+    winner's adds nothing and is not read: with a peaked row only the top few tiles are."""
+    tile = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    temp, sampled, _, _, _, uses_k, uses_p, uses_min_p, ent_mode, _, uses_ent_k = _row_params(
+        row, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, greedy_ptr, ent_modes_ptr,
+        ent_top_ks_ptr, vocab_size, HAS_ENTROPY,
+    )  # fmt: skip
+    _, l_w, x_w, _, log_z = _winner(row, logits_ptr, row_stride, part_ptr, part_idx_ptr,
+                                    num_tiles, temp, TILES)  # fmt: skip
+    may = _may_verify(sampled, uses_k, uses_p, uses_min_p, uses_ent_k, ent_mode, log_z)
+    _, max_l, _, max_x = st.tile_keys(part_ptr + (row * num_tiles + tile) * st.STATS)
+    key_l = st.sort_key(l_w)
+    key_x = st.sort_key(x_w)
+    k_read = may & uses_k & (max_l > key_l)
+    p_read = may & uses_p & (max_x > key_x)
+    cols = tile * BLOCK + tl.arange(0, BLOCK)
+    end = tl.where(k_read | p_read, vocab_size, 0)  # 0: nothing of the tile is read
+    logit = tl.load(logits_ptr + row * row_stride + cols, mask=cols < end,
+                    other=float("-inf")).to(tl.float32)  # fmt: skip
+    counts = verify_ptr + row * 2
+    if k_read:
+        tl.atomic_add(counts, tl.sum((st.sort_key(logit) > key_l).to(tl.int64), axis=0),
+                      sem="relaxed")  # fmt: skip
+    if p_read:
+        x = tl.math.div_rn(logit, temp)
+        mass = (tl.exp(x - log_z) * st.MASS_SCALE).to(tl.int64)
+        tl.atomic_add(counts + 1, tl.sum(tl.where(st.sort_key(x) > key_x, mass, 0), axis=0),
+                      sem="relaxed")  # fmt: skip
 
 
 @triton.jit
@@ -212,20 +315,27 @@ def _intervals(
 @triton.jit(do_not_specialize=["launch", "num_rows"])
 def _search_kernel(
     logits_ptr, row_stride, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, greedy_ptr,
-    ent_modes_ptr, ent_top_ks_ptr, part_ptr, part_idx_ptr, intervals_ptr, totals_ptr,
-    vocab_size, num_tiles, num_rows, launch,
+    ent_modes_ptr, ent_top_ks_ptr, part_ptr, part_idx_ptr, verify_ptr, intervals_ptr,
+    totals_ptr, vocab_size, num_tiles, num_rows, launch,
     BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, TILES: tl.constexpr, NUM: tl.constexpr,
-    HAS_ENTROPY: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr, VERIFY: tl.constexpr,
     SEARCH_K: tl.constexpr, SEARCH_P: tl.constexpr, SEARCH_E: tl.constexpr,
 ):  # fmt: skip
     """Search launch ``launch`` (grid: tiles x rows): narrow the intervals with the previous
-    launch's totals, then add this tile's counts at the new pivots to totals[launch]."""
+    launch's totals, then add this tile's counts at the new pivots to totals[launch]. A row
+    settled by verification searches nothing."""
     tile = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
-    temp, _, top_k, top_p, _, uses_k, uses_p, _, _, ent_k, uses_ent_k = _row_params(
-        row, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, greedy_ptr, ent_modes_ptr,
-        ent_top_ks_ptr, vocab_size, HAS_ENTROPY,
+    temp, sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, ent_mode, ent_k, uses_ent_k = (
+        _row_params(row, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, greedy_ptr,
+                    ent_modes_ptr, ent_top_ks_ptr, vocab_size, HAS_ENTROPY)
     )  # fmt: skip
+    settled = _settled(
+        row, logits_ptr, row_stride, part_ptr, part_idx_ptr, verify_ptr, num_tiles, temp,
+        sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, uses_ent_k, ent_mode, TILES,
+        VERIFY,
+    )  # fmt: skip
+    uses_k, uses_p = uses_k & ~settled, uses_p & ~settled
     k_lo, k_hi, p_lo, p_hi, e_lo, e_hi, _, log_z, _ = _intervals(
         launch, row, num_rows, part_ptr, part_idx_ptr, intervals_ptr, totals_ptr, num_tiles,
         top_k, top_p, ent_k, uses_k, uses_p, uses_ent_k,
@@ -269,22 +379,32 @@ def _search_kernel(
 def _final_kernel(
     logits_ptr, row_stride, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr,
     positions_ptr, greedy_ptr, ent_modes_ptr, ent_top_ks_ptr, part_ptr, part_idx_ptr,
-    intervals_ptr, totals_ptr, fin_ptr, fin_idx_ptr, thresholds_ptr,
+    verify_ptr, intervals_ptr, totals_ptr, fin_ptr, fin_idx_ptr, thresholds_ptr,
     vocab_size, num_tiles, num_rows, launches,
     BLOCK: tl.constexpr, TILES: tl.constexpr, NUM: tl.constexpr, HAS_ENTROPY: tl.constexpr,
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-    HAS_ENT_TOP_K: tl.constexpr, HAS_SUBSET: tl.constexpr,
+    HAS_ENT_TOP_K: tl.constexpr, HAS_SUBSET: tl.constexpr, VERIFY: tl.constexpr,
 ):  # fmt: skip
     """One tile of one row after ``launches`` searches (grid: tiles x rows): the Gumbel-max
-    over {x >= t} of a truncating row, and the statistics (relative to the row's max) of the
-    entropy subset {x >= t_e', logit > t_e} with the count of logits above t_e. Tile 0 also
-    records the row's (t, t_e) for the finish."""
+    over {x >= t} of a truncating row not settled by verification, and the statistics
+    (relative to the row's max) of the entropy subset {x >= t_e', logit > t_e} with the count
+    of logits above t_e. Rows that need neither are not read. Tile 0 also records the row's
+    (t, t_e) for the finish."""
     tile = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
-    temp, _, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, ent_mode, ent_k, uses_ent_k = (
+    temp, sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, ent_mode, ent_k, uses_ent_k = (
         _row_params(row, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, greedy_ptr,
                     ent_modes_ptr, ent_top_ks_ptr, vocab_size, HAS_ENTROPY)
     )  # fmt: skip
+    settled = _settled(
+        row, logits_ptr, row_stride, part_ptr, part_idx_ptr, verify_ptr, num_tiles, temp,
+        sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, uses_ent_k, ent_mode, TILES,
+        VERIFY,
+    )  # fmt: skip
+    truncates = uses_k | uses_p | uses_min_p
+    subset = uses_ent_k | ((ent_mode == st.SAMPLED) & truncates)
+    samples_here = truncates & ~settled
+    uses_k, uses_p = uses_k & ~settled, uses_p & ~settled
     k_lo, _, p_lo, _, e_lo, _, m_x, _, best_l = _intervals(
         launches, row, num_rows, part_ptr, part_idx_ptr, intervals_ptr, totals_ptr, num_tiles,
         top_k, top_p, ent_k, uses_k, uses_p, uses_ent_k,
@@ -297,17 +417,16 @@ def _final_kernel(
         thr = tl.maximum(thr, tl.where(uses_k, tl.math.div_rn(st.key_value(k_lo), temp), thr))
     if HAS_TOP_P:
         thr = tl.maximum(thr, tl.where(uses_p, st.key_value(p_lo), thr))
-    truncates = uses_k | uses_p | uses_min_p
-    subset = uses_ent_k | ((ent_mode == st.SAMPLED) & truncates)
     t_e = tl.where(uses_ent_k, st.key_value(e_lo), float("-inf"))
     v_max = tl.where(ent_mode == st.RAW, best_l, m_x)
 
     cols = tile * BLOCK + tl.arange(0, BLOCK)
-    logit = tl.load(logits_ptr + row * row_stride + cols, mask=cols < vocab_size,
+    end = tl.where(samples_here | subset, vocab_size, 0)  # 0: nothing of the tile is read
+    logit = tl.load(logits_ptr + row * row_stride + cols, mask=cols < end,
                     other=float("-inf")).to(tl.float32)  # fmt: skip
     x = tl.math.div_rn(logit, temp)
     score = tl.full([BLOCK], float("-inf"), tl.float32)
-    if truncates:
+    if samples_here:
         noise = st.neg_log_gumbel(st.row_noise_key(seeds_ptr, positions_ptr, row), cols)
         score = tl.where(x >= thr, x - noise, float("-inf"))
     best_s, best_s_idx = st.tile_argmax(score, cols)
@@ -337,19 +456,27 @@ def _final_kernel(
 @triton.jit
 def _finish_kernel(
     logits_ptr, row_stride, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, greedy_ptr,
-    ent_modes_ptr, ent_top_ks_ptr, part_ptr, part_idx_ptr, fin_ptr, fin_idx_ptr,
-    thresholds_ptr, next_ids_ptr, logprobs_ptr, entropies_ptr, vocab_size, num_tiles,
+    ent_modes_ptr, ent_top_ks_ptr, part_ptr, part_idx_ptr, verify_ptr, fin_ptr, fin_idx_ptr,
+    thresholds_ptr, next_ids_ptr, logprobs_ptr, entropies_ptr, settled_ptr, vocab_size,
+    num_tiles,
     TILES: tl.constexpr, HAS_SAMPLED: tl.constexpr, HAS_FINAL: tl.constexpr,
     HAS_ENTROPY: tl.constexpr, HAS_RAW: tl.constexpr, HAS_SUBSET: tl.constexpr,
-    HAS_ENT_TOP_K: tl.constexpr,
+    HAS_ENT_TOP_K: tl.constexpr, VERIFY: tl.constexpr, RECORD_SETTLED: tl.constexpr,
 ):  # fmt: skip
-    """One program per row: combine the tiles' partials; write next_ids, logprobs and
-    (HAS_ENTROPY) entropies."""
+    """One program per row: combine the tiles' partials; write next_ids, logprobs,
+    (HAS_ENTROPY) entropies and (RECORD_SETTLED) whether verification settled the row."""
     row = tl.program_id(0).to(tl.int64)
-    temp, sampled, _, _, _, uses_k, uses_p, uses_min_p, ent_mode, ent_k, uses_ent_k = (
+    temp, sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, ent_mode, ent_k, uses_ent_k = (
         _row_params(row, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, greedy_ptr,
                     ent_modes_ptr, ent_top_ks_ptr, vocab_size, HAS_ENTROPY)
     )  # fmt: skip
+    settled = _settled(
+        row, logits_ptr, row_stride, part_ptr, part_idx_ptr, verify_ptr, num_tiles, temp,
+        sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, uses_ent_k, ent_mode, TILES,
+        VERIFY,
+    )  # fmt: skip
+    if RECORD_SETTLED:
+        tl.store(settled_ptr + row, settled.to(tl.int8))
     m_x, s_x, a_x, _, s_l, a_l, _, _, best_l, best_l_idx, best_s_idx = _row_stats(
         part_ptr, part_idx_ptr, row, num_tiles, TILES, HAS_RAW, False, HAS_SAMPLED
     )
@@ -367,7 +494,7 @@ def _finish_kernel(
             tl.load(fin + st.FIN_BEST, mask=ok, other=float("-inf")),
             tl.load(fin_idx, mask=ok, other=2147483647),
         )
-        best_s_idx = tl.where(truncates, trunc_idx, best_s_idx)
+        best_s_idx = tl.where(truncates & ~settled, trunc_idx, best_s_idx)
         s_f = tl.sum(tl.load(fin + st.FIN_S, mask=ok, other=0.0), axis=0)
         a_f = tl.sum(tl.load(fin + st.FIN_A, mask=ok, other=0.0), axis=0)
         if HAS_ENT_TOP_K:
@@ -496,14 +623,18 @@ def sample_triton(
     return_logprob: bool,
     top_logprobs_nums: list[int] | None,
     entropy: EntropyPlan | None = None,
+    *,
+    verify: bool = True,
 ) -> SampleOutput:
     """The ``triton`` sampling backend: same contract and results as ``sample_contract``.
 
     ``logits`` [B, V] float32/bfloat16/float16 on CUDA (or on CPU under TRITON_INTERPRET=1),
     any row stride. Mutates nothing; writes [B] outputs. Launches: 2 for plain sampling, 3 with
-    min-p or an entropy subset, 14 on GPUs with top-k / top-p or top-k entropy (10 for up to
-    4 rows); none for an all-greedy batch that asks for no logprob and no entropy (one torch
-    ``max``: the first maximum, the first NaN of a row holding one, as the contract).
+    min-p or an entropy subset, 15 on GPUs with top-k / top-p (11 for up to 4 rows; one fewer
+    for top-k entropy alone); none for an all-greedy batch that asks for no logprob and no
+    entropy (one torch ``max``: the first maximum, the first NaN of a row holding one, as the
+    contract). ``verify=False`` turns off the verification of truncating rows' whole-row
+    Gumbel-max (module docstring): the same results, every truncating row searched.
     """
     if logits.shape[-1] != info.vocab_size:
         raise ValueError(f"logits have {logits.shape[-1]} columns, expected {info.vocab_size}")
@@ -519,7 +650,7 @@ def sample_triton(
     logprobs = torch.empty(num_rows, dtype=torch.float32, device=device)
     entropies = None if entropy is None else torch.empty_like(logprobs)
     if num_rows:
-        _launch(logits, info, entropy, next_ids, logprobs, entropies)
+        _launch(logits, info, entropy, next_ids, logprobs, entropies, verify, None)
     if not return_logprob:
         return SampleOutput(next_ids, None, None, None, entropies)
     num_top = max(top_logprobs_nums) if top_logprobs_nums else 0
@@ -539,13 +670,17 @@ def _launch(
     next_ids: torch.Tensor,
     logprobs: torch.Tensor,
     entropies: torch.Tensor | None,
+    verify: bool,
+    settled: torch.Tensor | None,
 ) -> None:
-    """Run the kernels of the module docstring on a non-empty batch, writing the outputs."""
+    """Run the kernels of the module docstring on a non-empty batch, writing the outputs (and
+    into ``settled``, int8 [B] when given, 1 where verification settled the row)."""
     num_rows, vocab_size = logits.shape
     device = logits.device
     tiling = _tiling(device, vocab_size, num_rows)
     groups = () if entropy is None else entropy.groups
     has_trunc = info.need_top_k or info.need_top_p or info.need_min_p
+    verify = verify and has_trunc and not info.is_all_greedy
     has_ent_top_k = any(g.top_k > 0 for g in groups)
     has_search = info.need_top_k or info.need_top_p or has_ent_top_k
     has_subset = any(g.top_k > 0 or (g.mode == "sampled" and has_trunc) for g in groups)
@@ -560,11 +695,20 @@ def _launch(
     _stats_kernel[grid](
         *rows, info.seeds, info.positions, info.is_greedy, *ent, part, part_idx, vocab_size,
         tiling.num_tiles, BLOCK=tiling.block, HAS_ENTROPY=entropy is not None, HAS_RAW=has_raw,
-        NEED_MIN=has_search, **warps,
+        NEED_MIN=has_search, VERIFY=verify, **warps,
     )  # fmt: skip
     searches = tiling.searches if has_search else 0
-    # Placeholders of the searches' int64 buffers (same type: compiled, never read).
-    intervals = totals = next_ids
+    # Placeholders of the verify pass's and the searches' int64 buffers (same type: compiled,
+    # never read).
+    verified = intervals = totals = next_ids
+    if verify:
+        verified = torch.zeros(num_rows, 2, dtype=torch.int64, device=device)
+    if verify and (info.need_top_k or info.need_top_p):  # min-p verifies without a pass
+        _verify_kernel[grid](
+            *rows, info.is_greedy, *ent, part, part_idx, verified, vocab_size, tiling.num_tiles,
+            BLOCK=tiling.block, TILES=tiling.tiles_pow2, HAS_ENTROPY=entropy is not None,
+            **warps,
+        )  # fmt: skip
     if has_search:
         intervals = torch.empty(2, num_rows, _NUM_INTERVALS.value, dtype=torch.int64,
                                 device=device)  # fmt: skip
@@ -572,10 +716,10 @@ def _launch(
                              device=device)  # fmt: skip
     for launch in range(searches):
         _search_kernel[grid](
-            *rows, info.is_greedy, *ent, part, part_idx, intervals, totals, vocab_size,
-            tiling.num_tiles, num_rows, launch, BLOCK=tiling.block,
+            *rows, info.is_greedy, *ent, part, part_idx, verified, intervals, totals,
+            vocab_size, tiling.num_tiles, num_rows, launch, BLOCK=tiling.block,
             SEARCH_BLOCK=tiling.search_block, TILES=tiling.tiles_pow2, NUM=tiling.num_pivots,
-            HAS_ENTROPY=entropy is not None, SEARCH_K=info.need_top_k,
+            HAS_ENTROPY=entropy is not None, VERIFY=verify, SEARCH_K=info.need_top_k,
             SEARCH_P=info.need_top_p, SEARCH_E=has_ent_top_k, **warps,
         )  # fmt: skip
     has_final = has_trunc or has_subset
@@ -585,17 +729,38 @@ def _launch(
         fin_idx = torch.empty(num_rows, tiling.num_tiles, 2, dtype=torch.int32, device=device)
         thresholds = torch.empty(num_rows, 2, dtype=torch.float32, device=device)
         _final_kernel[grid](
-            *rows, info.seeds, info.positions, info.is_greedy, *ent, part, part_idx, intervals,
-            totals, fin, fin_idx, thresholds, vocab_size, tiling.num_tiles, num_rows, searches,
-            BLOCK=tiling.block, TILES=tiling.tiles_pow2, NUM=tiling.num_pivots,
+            *rows, info.seeds, info.positions, info.is_greedy, *ent, part, part_idx, verified,
+            intervals, totals, fin, fin_idx, thresholds, vocab_size, tiling.num_tiles, num_rows,
+            searches, BLOCK=tiling.block, TILES=tiling.tiles_pow2, NUM=tiling.num_pivots,
             HAS_ENTROPY=entropy is not None, HAS_TOP_K=info.need_top_k,
             HAS_TOP_P=info.need_top_p, HAS_MIN_P=info.need_min_p, HAS_ENT_TOP_K=has_ent_top_k,
-            HAS_SUBSET=has_subset, **warps,
+            HAS_SUBSET=has_subset, VERIFY=verify, **warps,
         )  # fmt: skip
     _finish_kernel[(num_rows,)](
-        *rows, info.is_greedy, *ent, part, part_idx, fin, fin_idx, thresholds, next_ids,
-        logprobs, logprobs if entropies is None else entropies, vocab_size, tiling.num_tiles,
+        *rows, info.is_greedy, *ent, part, part_idx, verified, fin, fin_idx, thresholds,
+        next_ids, logprobs, logprobs if entropies is None else entropies,
+        next_ids if settled is None else settled, vocab_size, tiling.num_tiles,
         TILES=tiling.tiles_pow2, HAS_SAMPLED=not info.is_all_greedy, HAS_FINAL=has_final,
         HAS_ENTROPY=entropy is not None, HAS_RAW=has_raw, HAS_SUBSET=has_subset,
-        HAS_ENT_TOP_K=has_ent_top_k, **warps,
+        HAS_ENT_TOP_K=has_ent_top_k, VERIFY=verify, RECORD_SETTLED=settled is not None,
+        **warps,
     )  # fmt: skip
+
+
+def settled_rows(
+    logits: torch.Tensor, info: SamplingRows, entropy: EntropyPlan | None = None
+) -> torch.Tensor:
+    """bool [B]: the rows of a :func:`sample_triton` call whose token verification settled
+    (their whole-row Gumbel-max lies in their allowed set, so no search or final pass ran for
+    them). For measuring how often verification pays off (benchmark/bench_sampling.py)."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    num_rows = logits.shape[0]
+    device = logits.device
+    settled = torch.zeros(num_rows, dtype=torch.int8, device=device)
+    if num_rows:
+        next_ids = torch.empty(num_rows, dtype=torch.int64, device=device)
+        logprobs = torch.empty(num_rows, dtype=torch.float32, device=device)
+        entropies = None if entropy is None else torch.empty_like(logprobs)
+        _launch(logits, info, entropy, next_ids, logprobs, entropies, True, settled)
+    return settled.bool()

@@ -10,8 +10,9 @@ the step commits the one before it.
         [--dtype bfloat16] [--profile-step 40]
 
 ``--profile-step N`` (repeatable) also prints torch.profiler's op table for step N (ops' own CPU
-time).  ``--host-profile`` prints where batch-1 decode's host time goes (cProfile, the functions
-with the most own time).
+time). ``--num-prompts``, ``--min-input``/``--max-input`` and ``--min-output``/``--max-output``
+shape the workload as in bench_offline_throughput.py (same defaults). ``--host-profile`` prints
+where batch-1 decode's host time goes (cProfile, the functions with the most own time).
 
 On CUDA (``--device cuda``, the default when there is a GPU) it also times batch-1 decode
 alone: each step's host time with the overlap schedule on and off (interleaved rounds in this
@@ -50,7 +51,9 @@ def submit(core: Scheduler, rid: str, ids: list[int], max_new_tokens: int) -> No
 
 
 def batch_class(size: int) -> str:
-    return "1" if size == 1 else "2-8" if size <= 8 else "9-32" if size <= 32 else "33+"
+    if size > 64:
+        return "65+"
+    return "1" if size == 1 else "2-8" if size <= 8 else "9-32" if size <= 32 else "33-64"
 
 
 def main() -> None:
@@ -59,6 +62,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--min-input", type=int, default=20)
+    parser.add_argument("--max-input", type=int, default=400)
+    parser.add_argument("--min-output", type=int, default=32)
+    parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--profile-step", type=int, action="append", default=[])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
@@ -83,10 +90,10 @@ def main() -> None:
     work_args = argparse.Namespace(
         seed=0,
         num_prompts=args.num_prompts,
-        min_input=20,
-        max_input=400,
-        min_output=32,
-        max_output=256,
+        min_input=args.min_input,
+        max_input=args.max_input,
+        min_output=args.min_output,
+        max_output=args.max_output,
     )
     server_args = ServerArgs(
         model_path=args.model_path,

@@ -700,14 +700,14 @@ def _launch(
     searches = tiling.searches if has_search else 0
     # Placeholders of the verify pass's and the searches' int64 buffers (same type: compiled,
     # never read).
-    verified = intervals = totals = next_ids
+    verify_counts = intervals = totals = next_ids
     if verify:
-        verified = torch.zeros(num_rows, 2, dtype=torch.int64, device=device)
+        verify_counts = torch.zeros(num_rows, 2, dtype=torch.int64, device=device)
     if verify and (info.need_top_k or info.need_top_p):  # min-p verifies without a pass
         _verify_kernel[grid](
-            *rows, info.is_greedy, *ent, part, part_idx, verified, vocab_size, tiling.num_tiles,
-            BLOCK=tiling.block, TILES=tiling.tiles_pow2, HAS_ENTROPY=entropy is not None,
-            **warps,
+            *rows, info.is_greedy, *ent, part, part_idx, verify_counts, vocab_size,
+            tiling.num_tiles, BLOCK=tiling.block, TILES=tiling.tiles_pow2,
+            HAS_ENTROPY=entropy is not None, **warps,
         )  # fmt: skip
     if has_search:
         intervals = torch.empty(2, num_rows, _NUM_INTERVALS.value, dtype=torch.int64,
@@ -716,7 +716,7 @@ def _launch(
                              device=device)  # fmt: skip
     for launch in range(searches):
         _search_kernel[grid](
-            *rows, info.is_greedy, *ent, part, part_idx, verified, intervals, totals,
+            *rows, info.is_greedy, *ent, part, part_idx, verify_counts, intervals, totals,
             vocab_size, tiling.num_tiles, num_rows, launch, BLOCK=tiling.block,
             SEARCH_BLOCK=tiling.search_block, TILES=tiling.tiles_pow2, NUM=tiling.num_pivots,
             HAS_ENTROPY=entropy is not None, VERIFY=verify, SEARCH_K=info.need_top_k,
@@ -729,15 +729,15 @@ def _launch(
         fin_idx = torch.empty(num_rows, tiling.num_tiles, 2, dtype=torch.int32, device=device)
         thresholds = torch.empty(num_rows, 2, dtype=torch.float32, device=device)
         _final_kernel[grid](
-            *rows, info.seeds, info.positions, info.is_greedy, *ent, part, part_idx, verified,
-            intervals, totals, fin, fin_idx, thresholds, vocab_size, tiling.num_tiles, num_rows,
-            searches, BLOCK=tiling.block, TILES=tiling.tiles_pow2, NUM=tiling.num_pivots,
-            HAS_ENTROPY=entropy is not None, HAS_TOP_K=info.need_top_k,
+            *rows, info.seeds, info.positions, info.is_greedy, *ent, part, part_idx,
+            verify_counts, intervals, totals, fin, fin_idx, thresholds, vocab_size,
+            tiling.num_tiles, num_rows, searches, BLOCK=tiling.block, TILES=tiling.tiles_pow2,
+            NUM=tiling.num_pivots, HAS_ENTROPY=entropy is not None, HAS_TOP_K=info.need_top_k,
             HAS_TOP_P=info.need_top_p, HAS_MIN_P=info.need_min_p, HAS_ENT_TOP_K=has_ent_top_k,
             HAS_SUBSET=has_subset, VERIFY=verify, **warps,
         )  # fmt: skip
     _finish_kernel[(num_rows,)](
-        *rows, info.is_greedy, *ent, part, part_idx, verified, fin, fin_idx, thresholds,
+        *rows, info.is_greedy, *ent, part, part_idx, verify_counts, fin, fin_idx, thresholds,
         next_ids, logprobs, logprobs if entropies is None else entropies,
         next_ids if settled is None else settled, vocab_size, tiling.num_tiles,
         TILES=tiling.tiles_pow2, HAS_SAMPLED=not info.is_all_greedy, HAS_FINAL=has_final,

@@ -193,7 +193,8 @@ def test_verification_settles_rows_without_changing_a_result(kernel, monkeypatch
     gen = torch.Generator().manual_seed(tiles)
     truncating = [p for p in TRUNCATIONS if set(p) != {"temperature"} and p.get("top_k") != 1]
     rows, params, specs = [], [], []
-    for i in range(2 * len(truncating)):
+    num_random = len(truncating) * (2 if tiles == 1 else 1)  # the interpreter runs tiles slowly
+    for i in range(num_random):
         rows.append(torch.randn(vocab, generator=gen) * (1.0, 9.0)[i % 2])
         params.append(truncating[i % len(truncating)])
         specs.append([None, ("raw", 0), ("scaled", 0)][i % 3])
@@ -227,10 +228,9 @@ def test_verification_settles_rows_without_changing_a_result(kernel, monkeypatch
 
     settled = kernel.settled_rows(logits, info, plan).tolist()
     assert not any(settled[-3:])  # the allowed set's entropy, top-k entropy, greedy
-    num_random = 2 * len(truncating)
     assert 0 < sum(settled[:num_random]) < num_random  # both paths ran
     # Peaked rows (scale 9) keep almost all of their mass in the allowed set: most settle.
-    assert sum(settled[1:num_random:2]) >= len(truncating) - 2
+    assert sum(settled[1:num_random:2]) >= num_random // 2 - 2
     # The tied rows settle exactly when fewer than top_k logits lie above the whole-row winner:
     # with top_k = the number of maxima (3), a winner among them; with one more, a 2 too.
     noise = gumbel_noise(info.seeds.cpu(), info.positions.cpu(), vocab)

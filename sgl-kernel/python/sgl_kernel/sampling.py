@@ -191,7 +191,8 @@ def _winner(row, logits_ptr, row_stride, part_ptr, part_idx_ptr, num_tiles, temp
 def _may_verify(sampled, uses_k, uses_p, uses_min_p, uses_ent_k, ent_mode, log_z):
     """Whether a row's token may be settled by verification: a sampled, truncating row whose
     entropy needs no subset (which needs the threshold itself) and whose log Z is finite (no
-    NaN or +inf logit, not all -inf)."""
+    +inf logit, not all -inf). A NaN logit counts as the search counts it (its key lies above
+    every other), so a row holding one settles only when the search would agree."""
     truncates = uses_k | uses_p | uses_min_p
     subset = uses_ent_k | ((ent_mode == st.SAMPLED) & truncates)
     return sampled & truncates & ~subset & (tl.abs(log_z) < float("inf"))

@@ -182,8 +182,8 @@ def test_verification_settles_rows_without_changing_a_result(kernel, monkeypatch
     verification settles such rows without a search. Results with and without it are the same
     bits, and the contract's. The rows: peaked and flat, every truncation, ties at the top-k
     boundary (top_k = the number of tied maxima: one more than the count above a tied winner),
-    masked columns, a NaN (the same bits either way; no contract for it), entropy modes that
-    need the allowed set (never settled). With
+    masked columns, a NaN (never settled; no contract for it), entropy modes that need the
+    allowed set (never settled). With
     ``tiles`` 4, the verify pass skips tiles whose maximum is not above the winner's."""
     vocab = 1000
     if tiles > 1:
@@ -227,7 +227,8 @@ def test_verification_settles_rows_without_changing_a_result(kernel, monkeypatch
     assert fast.next_token_ids[clean].tolist() == want[clean].tolist()
 
     settled = kernel.settled_rows(logits, info, plan).tolist()
-    assert not any(settled[-3:])  # the allowed set's entropy, top-k entropy, greedy
+    assert not any(settled[-4:])  # a NaN, the allowed set's entropy, top-k entropy, greedy
+    assert settled[-5]  # the masked row: -inf columns are no obstacle
     assert 0 < sum(settled[:num_random]) < num_random  # both paths ran
     # Peaked rows (scale 9) keep almost all of their mass in the allowed set: most settle.
     assert sum(settled[1:num_random:2]) >= num_random // 2 - 2

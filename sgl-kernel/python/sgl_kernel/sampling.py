@@ -129,14 +129,14 @@ def _row_stats(part_ptr, part_idx_ptr, row, num_tiles, TILES: tl.constexpr,
 def _stats_kernel(
     logits_ptr, row_stride, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr,
     positions_ptr, greedy_ptr, ent_modes_ptr, ent_top_ks_ptr, part_ptr, part_idx_ptr,
-    vocab_size, num_tiles,
+    verify_ptr, vocab_size, num_tiles,
     BLOCK: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_RAW: tl.constexpr,
     NEED_MIN: tl.constexpr, VERIFY: tl.constexpr,
 ):  # fmt: skip
     """One tile of one row (grid: tiles x rows): softmax statistics of x (and of the raw
     logits for raw-entropy rows), argmax, minima (search bounds, when NEED_MIN), and the
-    Gumbel-max of a sampled row over the whole row (VERIFY: truncating rows too; else only
-    rows that do not truncate)."""
+    Gumbel-max of a sampled row over the whole row (VERIFY: truncating rows too, and a tile
+    holding a NaN counts itself in verify[row, 2]; else only rows that do not truncate)."""
     tile = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     temp, sampled, _, _, _, uses_k, uses_p, uses_min_p, ent_mode, ent_k, _ = _row_params(
@@ -163,6 +163,11 @@ def _stats_kernel(
         tl.store(out + st.MIN_L, tl.min(tl.where(valid, logit, float("inf")), axis=0))
         tl.store(out + st.MIN_X, tl.min(tl.where(valid, x, float("inf")), axis=0))
     best_l, best_l_idx = st.tile_argmax(logit, cols)
+    if VERIFY:  # noqa: SIM102 (constexpr guard: compiled out)
+        # The statistics pass over NaN (tl.max and tl.maximum drop it), the searches count its
+        # key as the largest; a row holding one is left to the search, never settled.
+        if tl.sum((logit != logit).to(tl.int32), axis=0) > 0:
+            tl.atomic_add(verify_ptr + row * 3 + 2, 1, sem="relaxed")
     gumbel_now = sampled & (VERIFY | ~(uses_k | uses_p | uses_min_p))
     score = tl.full([BLOCK], float("-inf"), tl.float32)
     if gumbel_now:
@@ -188,14 +193,14 @@ def _winner(row, logits_ptr, row_stride, part_ptr, part_idx_ptr, num_tiles, temp
 
 
 @triton.jit
-def _may_verify(sampled, uses_k, uses_p, uses_min_p, uses_ent_k, ent_mode, log_z):
+def _may_verify(sampled, uses_k, uses_p, uses_min_p, uses_ent_k, ent_mode, log_z, nan_tiles):
     """Whether a row's token may be settled by verification: a sampled, truncating row whose
-    entropy needs no subset (which needs the threshold itself) and whose log Z is finite (no
-    +inf logit, not all -inf). A NaN logit counts as the search counts it (its key lies above
-    every other), so a row holding one settles only when the search would agree."""
+    entropy needs no subset (which needs the threshold itself), with no NaN logit (``nan_tiles``
+    0) and a finite log Z (no +inf logit, not all -inf)."""
     truncates = uses_k | uses_p | uses_min_p
     subset = uses_ent_k | ((ent_mode == st.SAMPLED) & truncates)
-    return sampled & truncates & ~subset & (tl.abs(log_z) < float("inf"))
+    finite = (nan_tiles == 0) & (tl.abs(log_z) < float("inf"))
+    return sampled & truncates & ~subset & finite
 
 
 @triton.jit
@@ -210,11 +215,12 @@ def _verdict(row, logits_ptr, row_stride, part_ptr, part_idx_ptr, verify_ptr, nu
     come from the verify pass; every kernel that asks gets the same answer."""
     _, _, x_w, m_x, log_z = _winner(row, logits_ptr, row_stride, part_ptr, part_idx_ptr,
                                     num_tiles, temp, TILES)  # fmt: skip
-    counts = verify_ptr + row * 2
+    counts = verify_ptr + row * 3
     ok_k = ~uses_k | (tl.load(counts) < top_k)
     ok_p = ~uses_p | (tl.load(counts + 1) < (top_p * st.MASS_SCALE).to(tl.int64))
     ok_min_p = ~uses_min_p | (x_w >= m_x + tl.log(tl.where(uses_min_p, min_p, 1.0)))
-    may = _may_verify(sampled, uses_k, uses_p, uses_min_p, uses_ent_k, ent_mode, log_z)
+    may = _may_verify(sampled, uses_k, uses_p, uses_min_p, uses_ent_k, ent_mode, log_z,
+                      tl.load(counts + 2))  # fmt: skip
     return may & ok_k & ok_p & ok_min_p
 
 
@@ -238,8 +244,9 @@ def _verify_kernel(
     ent_modes_ptr, ent_top_ks_ptr, part_ptr, part_idx_ptr, verify_ptr, vocab_size, num_tiles,
     BLOCK: tl.constexpr, TILES: tl.constexpr, HAS_ENTROPY: tl.constexpr,
 ):  # fmt: skip
-    """One tile of one row (grid: tiles x rows): add to verify[row] the count of logits above
-    the winner's (top-k rows) and the fixed-point mass of x above x_w (top-p rows), each
+    """One tile of one row (grid: tiles x rows): add to verify[row, 0] the count of logits
+    above the winner's (top-k rows) and to verify[row, 1] the fixed-point mass of x above x_w
+    (top-p rows), each
     column's mass truncated as the search truncates it. A tile whose maximum is not above the
     winner's adds nothing and is not read: with a peaked row only the top few tiles are."""
     tile = tl.program_id(0)
@@ -250,7 +257,9 @@ def _verify_kernel(
     )  # fmt: skip
     _, l_w, x_w, _, log_z = _winner(row, logits_ptr, row_stride, part_ptr, part_idx_ptr,
                                     num_tiles, temp, TILES)  # fmt: skip
-    may = _may_verify(sampled, uses_k, uses_p, uses_min_p, uses_ent_k, ent_mode, log_z)
+    counts = verify_ptr + row * 3
+    may = _may_verify(sampled, uses_k, uses_p, uses_min_p, uses_ent_k, ent_mode, log_z,
+                      tl.load(counts + 2))  # fmt: skip
     _, max_l, _, max_x = st.tile_keys(part_ptr + (row * num_tiles + tile) * st.STATS)
     key_l = st.sort_key(l_w)
     key_x = st.sort_key(x_w)
@@ -260,7 +269,6 @@ def _verify_kernel(
     end = tl.where(k_read | p_read, vocab_size, 0)  # 0: nothing of the tile is read
     logit = tl.load(logits_ptr + row * row_stride + cols, mask=cols < end,
                     other=float("-inf")).to(tl.float32)  # fmt: skip
-    counts = verify_ptr + row * 2
     if k_read:
         tl.atomic_add(counts, tl.sum((st.sort_key(logit) > key_l).to(tl.int64), axis=0),
                       sem="relaxed")  # fmt: skip
@@ -693,17 +701,18 @@ def _launch(
     part_idx = torch.empty(num_rows, tiling.num_tiles, 2, dtype=torch.int32, device=device)
     grid = (tiling.num_tiles, num_rows)
     warps = {"num_warps": _NUM_WARPS}
-    _stats_kernel[grid](
-        *rows, info.seeds, info.positions, info.is_greedy, *ent, part, part_idx, vocab_size,
-        tiling.num_tiles, BLOCK=tiling.block, HAS_ENTROPY=entropy is not None, HAS_RAW=has_raw,
-        NEED_MIN=has_search, VERIFY=verify, **warps,
-    )  # fmt: skip
-    searches = tiling.searches if has_search else 0
     # Placeholders of the verify pass's and the searches' int64 buffers (same type: compiled,
     # never read).
     verify_counts = intervals = totals = next_ids
     if verify:
-        verify_counts = torch.zeros(num_rows, 2, dtype=torch.int64, device=device)
+        # Per row: logits above the winner's, mass above it, tiles holding a NaN.
+        verify_counts = torch.zeros(num_rows, 3, dtype=torch.int64, device=device)
+    _stats_kernel[grid](
+        *rows, info.seeds, info.positions, info.is_greedy, *ent, part, part_idx, verify_counts,
+        vocab_size, tiling.num_tiles, BLOCK=tiling.block, HAS_ENTROPY=entropy is not None,
+        HAS_RAW=has_raw, NEED_MIN=has_search, VERIFY=verify, **warps,
+    )  # fmt: skip
+    searches = tiling.searches if has_search else 0
     if verify and (info.need_top_k or info.need_top_p):  # min-p verifies without a pass
         _verify_kernel[grid](
             *rows, info.is_greedy, *ent, part, part_idx, verify_counts, vocab_size,

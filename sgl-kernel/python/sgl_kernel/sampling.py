@@ -225,17 +225,25 @@ def _verdict(row, logits_ptr, row_stride, part_ptr, part_idx_ptr, verify_ptr, nu
 
 
 @triton.jit
-def _settled(row, logits_ptr, row_stride, part_ptr, part_idx_ptr, verify_ptr, num_tiles,
-             temp, sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, uses_ent_k,
-             ent_mode, TILES: tl.constexpr, VERIFY: tl.constexpr):  # fmt: skip
-    """:func:`_verdict` when the batch verifies (VERIFY), else False: a settled row's token
-    is its whole-row Gumbel-max, and the searches and the final pass skip it."""
+def _settled_row_params(
+    row, logits_ptr, row_stride, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
+    greedy_ptr, ent_modes_ptr, ent_top_ks_ptr, part_ptr, part_idx_ptr, verify_ptr, vocab_size,
+    num_tiles, HAS_ENTROPY: tl.constexpr, TILES: tl.constexpr, VERIFY: tl.constexpr,
+):  # fmt: skip
+    """:func:`_row_params`, then whether verification settled the row (:func:`_verdict` when
+    the batch verifies, else False): a settled row's token is its whole-row Gumbel-max, and
+    the searches and the final pass skip it."""
+    temp, sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, ent_mode, ent_k, uses_ent_k = (
+        _row_params(row, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, greedy_ptr,
+                    ent_modes_ptr, ent_top_ks_ptr, vocab_size, HAS_ENTROPY)
+    )  # fmt: skip
     settled = row < 0
     if VERIFY:
         settled = _verdict(row, logits_ptr, row_stride, part_ptr, part_idx_ptr, verify_ptr,
                            num_tiles, temp, sampled, top_k, top_p, min_p, uses_k, uses_p,
                            uses_min_p, uses_ent_k, ent_mode, TILES)  # fmt: skip
-    return settled
+    return (temp, sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, ent_mode, ent_k,
+            uses_ent_k, settled)  # fmt: skip
 
 
 @triton.jit
@@ -335,14 +343,11 @@ def _search_kernel(
     settled by verification searches nothing."""
     tile = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
-    temp, sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, ent_mode, ent_k, uses_ent_k = (
-        _row_params(row, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, greedy_ptr,
-                    ent_modes_ptr, ent_top_ks_ptr, vocab_size, HAS_ENTROPY)
-    )  # fmt: skip
-    settled = _settled(
-        row, logits_ptr, row_stride, part_ptr, part_idx_ptr, verify_ptr, num_tiles, temp,
-        sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, uses_ent_k, ent_mode, TILES,
-        VERIFY,
+    (temp, sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, ent_mode, ent_k, uses_ent_k,
+     settled) = _settled_row_params(
+        row, logits_ptr, row_stride, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
+        greedy_ptr, ent_modes_ptr, ent_top_ks_ptr, part_ptr, part_idx_ptr, verify_ptr,
+        vocab_size, num_tiles, HAS_ENTROPY, TILES, VERIFY,
     )  # fmt: skip
     uses_k, uses_p = uses_k & ~settled, uses_p & ~settled
     k_lo, k_hi, p_lo, p_hi, e_lo, e_hi, _, log_z, _ = _intervals(
@@ -401,14 +406,11 @@ def _final_kernel(
     (t, t_e) for the finish."""
     tile = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
-    temp, sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, ent_mode, ent_k, uses_ent_k = (
-        _row_params(row, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, greedy_ptr,
-                    ent_modes_ptr, ent_top_ks_ptr, vocab_size, HAS_ENTROPY)
-    )  # fmt: skip
-    settled = _settled(
-        row, logits_ptr, row_stride, part_ptr, part_idx_ptr, verify_ptr, num_tiles, temp,
-        sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, uses_ent_k, ent_mode, TILES,
-        VERIFY,
+    (temp, sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, ent_mode, ent_k, uses_ent_k,
+     settled) = _settled_row_params(
+        row, logits_ptr, row_stride, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
+        greedy_ptr, ent_modes_ptr, ent_top_ks_ptr, part_ptr, part_idx_ptr, verify_ptr,
+        vocab_size, num_tiles, HAS_ENTROPY, TILES, VERIFY,
     )  # fmt: skip
     truncates = uses_k | uses_p | uses_min_p
     subset = uses_ent_k | ((ent_mode == st.SAMPLED) & truncates)
@@ -475,14 +477,11 @@ def _finish_kernel(
     """One program per row: combine the tiles' partials; write next_ids, logprobs,
     (HAS_ENTROPY) entropies and (RECORD_SETTLED) whether verification settled the row."""
     row = tl.program_id(0).to(tl.int64)
-    temp, sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, ent_mode, ent_k, uses_ent_k = (
-        _row_params(row, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, greedy_ptr,
-                    ent_modes_ptr, ent_top_ks_ptr, vocab_size, HAS_ENTROPY)
-    )  # fmt: skip
-    settled = _settled(
-        row, logits_ptr, row_stride, part_ptr, part_idx_ptr, verify_ptr, num_tiles, temp,
-        sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, uses_ent_k, ent_mode, TILES,
-        VERIFY,
+    (temp, sampled, top_k, top_p, min_p, uses_k, uses_p, uses_min_p, ent_mode, ent_k, uses_ent_k,
+     settled) = _settled_row_params(
+        row, logits_ptr, row_stride, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
+        greedy_ptr, ent_modes_ptr, ent_top_ks_ptr, part_ptr, part_idx_ptr, verify_ptr,
+        vocab_size, num_tiles, HAS_ENTROPY, TILES, VERIFY,
     )  # fmt: skip
     if RECORD_SETTLED:
         tl.store(settled_ptr + row, settled.to(tl.int8))

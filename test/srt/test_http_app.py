@@ -703,3 +703,18 @@ def test_chat_template_rendering(tmp_path: Path, tiny_model_dir: Callable[..., P
     args = ServerArgs(model_path="m", device="cpu", chat_template=str(template))
     custom = create_app(tm, args).state.serving_chat
     assert tokenizer.decode(custom.render_prompt(request)) == "[user]hi[assistant]"
+
+
+def test_tokenizer_endpoints_refuse_what_they_cannot_serve(server: _Server) -> None:
+    """A text over --max-prompt-bytes and a server without a tokenizer are 400s."""
+    limits = server.tm.limits
+    r = httpx.post(server.url + "/tokenize",
+                   json={"prompt": ["ok", "x" * (limits.max_prompt_bytes + 1)]})
+    assert r.status_code == 400 and "prompt 1 is over" in r.json()["error"]["message"]
+    tokenizer, server.tm.tokenizer = server.tm.tokenizer, None
+    try:
+        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+            r = httpx.post(server.url + path, json=body)
+            assert r.status_code == 400 and "skip-tokenizer-init" in r.json()["error"]["message"]
+    finally:
+        server.tm.tokenizer = tokenizer

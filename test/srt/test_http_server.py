@@ -92,6 +92,40 @@ def test_generate_text_ids_batch_logprobs(server: ServerProcess) -> None:
     assert ids["meta_info"]["id"] == "my-rid" and ids["meta_info"]["prompt_tokens"] == 3
 
 
+def test_tokenize_and_detokenize(server: ServerProcess) -> None:
+    prompt = "The capital of France is"
+    for path in ("/tokenize", "/v1/tokenize"):
+        one = post(server, path, {"prompt": prompt}).json()
+        assert one["count"] == len(one["tokens"]) > 0 and one["max_model_len"] == CONTEXT_LEN
+    by_text = post(server, "/generate", {"text": prompt, "sampling_params": GREEDY}).json()
+    by_ids = post(server, "/generate", {"input_ids": one["tokens"],
+                                         "sampling_params": GREEDY}).json()
+    assert by_text["meta_info"]["prompt_tokens"] == one["count"]
+    assert by_ids["output_ids"] == by_text["output_ids"]  # the ids /generate itself uses
+    many = post(server, "/tokenize", {"prompt": [prompt, "Hi", ""], "model": "tiny"}).json()
+    assert many["tokens"][0] == one["tokens"] and many["tokens"][2] == []
+    assert many["count"] == [len(t) for t in many["tokens"]]
+
+    text = post(server, "/detokenize", {"tokens": one["tokens"]}).json()["text"]
+    assert text == post(server, "/v1/detokenize", {"tokens": one["tokens"]}).json()["text"]
+    assert post(server, "/tokenize", {"prompt": text}).json()["tokens"] == one["tokens"]
+    texts = post(server, "/detokenize", {"tokens": [one["tokens"], [], by_text["output_ids"]],
+                                         "skip_special_tokens": False}).json()["text"]
+    assert texts == [text, "", by_text["text"]]
+
+    for path, body, needle in (
+        ("/tokenize", {"prompt": prompt, "add_special_token": True}, "add_special_token"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/detokenize", {"tokens": [1, 10**9]}, "out of range"),
+        ("/detokenize", {"tokens": [[1], [-1]]}, "out of range"),
+        ("/detokenize", {"tokens": ["a"]}, "tokens"),
+    ):
+        r = post(server, path, body)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], (body, r.text)
+    _assert_still_serving(server)
+
+
 def test_generate_stream_sse(server: ServerProcess) -> None:
     body = {"text": "Once upon a time", "stream": True, "sampling_params": GREEDY}
     r = post(server, "/generate", body)

@@ -38,6 +38,7 @@ from sglang.srt.entrypoints.http_guard import (
 )
 from sglang.srt.entrypoints.http_lora import router as lora_router
 from sglang.srt.entrypoints.http_shutdown import GracefulServer
+from sglang.srt.entrypoints.http_tokenize import router as tokenize_router
 from sglang.srt.entrypoints.http_weights import router as weights_router
 from sglang.srt.entrypoints.launch_compat import _GlobalState
 from sglang.srt.entrypoints.launch_compat import _launch_subprocesses as _launch_subprocesses
@@ -456,6 +457,7 @@ def _new_app() -> FastAPI:
     app.include_router(weights_router)
     app.include_router(lora_router)
     app.include_router(compat_router)
+    app.include_router(tokenize_router)
     add_error_handlers(app)
     return app
 

@@ -718,3 +718,25 @@ def test_tokenizer_endpoints_refuse_what_they_cannot_serve(server: _Server) -> N
             assert r.status_code == 400 and "skip-tokenizer-init" in r.json()["error"]["message"]
     finally:
         server.tm.tokenizer = tokenizer
+
+
+def test_get_control_routes_are_opt_in_and_never_cross_site(server: _Server) -> None:
+    r = httpx.get(server.url + "/flush_cache")
+    assert r.status_code == 405 and "--allow-get-control-routes" in r.json()["error"]["message"]
+    with _Server(allow_get_control_routes=True) as legacy:
+        r = httpx.get(legacy.url + "/flush_cache")
+        assert r.status_code == 200 and "flushed" in r.text  # slime's flush_cache sends GET
+        for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+            r = httpx.get(legacy.url + path)  # served: the fake manager refuses, with a 400
+            assert r.status_code == 400 and r.json()["message"] == legacy.tm.NO_WEIGHTS, path
+        # What an <img> tag on another site sends, old browsers (Origin) and new (Fetch
+        # metadata): refused before the endpoint runs.
+        legacy.tm.active["busy"] = 1  # a flush that ran would be a 400, not a 403
+        try:
+            for headers in ({"Sec-Fetch-Site": "cross-site"}, {"Origin": "http://evil.example"}):
+                assert httpx.get(legacy.url + "/flush_cache", headers=headers).status_code == 403
+        finally:
+            del legacy.tm.active["busy"]
+        r = httpx.get(legacy.url + "/pause_generation")  # upstream answers it on POST only
+        assert r.status_code == 405 and "--allow" not in r.json()["error"]["message"]
+        assert not legacy.tm.is_paused

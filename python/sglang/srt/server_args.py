@@ -348,6 +348,13 @@ class ServerArgs:
         "address, localhost, and any IP address (with --host 0.0.0.0 or :: also this "
         "machine's host names).",
     )
+    allow_get_control_routes: bool = _arg(
+        False,
+        "Also answer GET on /flush_cache, /release_memory_occupation and "
+        "/resume_memory_occupation, as upstream SGLang does (for clients that send GET, such "
+        "as slime's flush_cache). Off by default: any web page can make a browser send a GET. "
+        "A GET that a browser marks cross-site is refused (403) either way.",
+    )
 
     # Per-token entropy (docs/entropy.md)
     entropy_mode: str = _arg(

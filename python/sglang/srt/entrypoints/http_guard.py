@@ -10,7 +10,9 @@ without doing anything. In order, a request is refused with:
 * 403 when a browser marks it cross-site (an ``Origin`` other than the server itself, or
   ``Sec-Fetch-Site: cross-site``) and it is not a GET/HEAD;
 * 405 when a state-changing endpoint (:data:`CONTROL_PATHS`) is called with another method
-  than POST, 415 when its body is sent with another content type than JSON;
+  than POST (with ``--allow-get-control-routes``, a GET of :data:`GET_CONTROL_PATHS` is
+  served unless a browser marks it cross-site: 403), 415 when its body is sent with another
+  content type than JSON;
 * 413 for a body over the limit, 400 for a bad Content-Length;
 * 400 when a JSON body is not strict JSON (NaN, Infinity, a number out of the float range, a
   lone surrogate escape); a leading UTF-8 byte order mark is dropped.
@@ -49,6 +51,10 @@ CONTROL_PATHS = frozenset({
     "/flush_cache", "/pause_generation", "/continue_generation", "/abort_request",
     "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weight_version",
     "/release_memory_occupation", "/resume_memory_occupation",
+})
+# The control endpoints that upstream SGLang also answers on GET (--allow-get-control-routes).
+GET_CONTROL_PATHS = frozenset({
+    "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation",
 })
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _UTF8_BOM = b"\xef\xbb\xbf"
@@ -110,9 +116,10 @@ def _is_json_type(content_type: str) -> bool:
                                            and media.endswith("+json"))
 
 
-def _cross_site(method: str, headers: dict[str, str]) -> bool:
-    """Whether a browser sent this state-changing request from another site's page."""
-    if method in _SAFE_METHODS:
+def _cross_site(method: str, headers: dict[str, str], control: bool = False) -> bool:
+    """Whether a browser sent this state-changing request (any method but GET/HEAD/OPTIONS,
+    or, with ``control``, any method) from another site's page."""
+    if method in _SAFE_METHODS and not control:
         return False
     if headers.get("sec-fetch-site", "") in ("cross-site", "same-site"):
         return True
@@ -128,11 +135,13 @@ class GuardMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str | None,
                  max_body_bytes: int = MAX_REQUEST_BODY_BYTES,
-                 allowed_hosts: HostAllowList | None = None) -> None:
+                 allowed_hosts: HostAllowList | None = None,
+                 allow_get_control_routes: bool = False) -> None:
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.allowed_hosts = allowed_hosts or HostAllowList("*", "")
+        self.get_control_paths = GET_CONTROL_PATHS if allow_get_control_routes else frozenset()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -164,12 +173,15 @@ class GuardMiddleware:
                 "--allowed-hosts to answer it", 400)
         if self.api_key and path not in _PUBLIC_PATHS and not self._authorized(headers):
             return error_response("Invalid or missing API key", 401)
-        if _cross_site(method, headers):
+        get_control = method == "GET" and path in self.get_control_paths
+        if _cross_site(method, headers, control=get_control):
             return error_response("Cross-site requests are refused", 403)
-        if path in CONTROL_PATHS and method != "POST":
+        if path in CONTROL_PATHS and method != "POST" and not get_control:
+            hint = (" (--allow-get-control-routes also answers GET, as upstream SGLang does)"
+                    if method == "GET" and path in GET_CONTROL_PATHS else "")
             return error_response(
                 f"Method {method} not allowed: {path} changes the server's state and accepts "
-                "only POST", 405, headers={"Allow": "POST"})
+                f"only POST{hint}", 405, headers={"Allow": "POST"})
         length = headers.get("content-length")
         if length is not None and not length.isdigit():
             return error_response("Invalid Content-Length header", 400)

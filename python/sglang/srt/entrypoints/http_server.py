@@ -272,10 +272,11 @@ async def get_server_info(request: Request) -> Response:
     )
 
 
-@router.post("/flush_cache")
+@router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request) -> Response:
     """200 with a text body when the cache was flushed, 400 with the reason when refused.
-    POST only: a GET could be sent by any web page (docs/security.md)."""
+    POST only unless --allow-get-control-routes: a GET could be sent by any web page (the
+    guard refuses it; docs/security.md)."""
     result = await _tm(request).flush_cache()
     if result.success:
         return PlainTextResponse("Cache flushed.\n")
@@ -488,7 +489,8 @@ def _attach(
         tokenizer_manager, observer, _read_chat_template(server_args.chat_template)
     )
     app.add_middleware(GuardMiddleware, api_key=server_args.api_key,
-                       allowed_hosts=HostAllowList(server_args.allowed_hosts, server_args.host))
+                       allowed_hosts=HostAllowList(server_args.allowed_hosts, server_args.host),
+                       allow_get_control_routes=server_args.allow_get_control_routes)
     return app
 
 

@@ -106,7 +106,7 @@ async def update_weight_version(body: UpdateWeightVersionBody, request: Request)
     return json_response(replies.weight_version_reply(out))
 
 
-@router.post("/release_memory_occupation")
+@router.api_route("/release_memory_occupation", methods=["GET", "POST"])  # GET: see http_guard
 async def release_memory_occupation(
     request: Request, body: MemoryOccupationBody | None = None
 ) -> Response:
@@ -117,7 +117,7 @@ async def release_memory_occupation(
     return _memory_reply(out)
 
 
-@router.post("/resume_memory_occupation")
+@router.api_route("/resume_memory_occupation", methods=["GET", "POST"])  # GET: see http_guard
 async def resume_memory_occupation(
     request: Request, body: MemoryOccupationBody | None = None
 ) -> Response:

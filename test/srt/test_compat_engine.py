@@ -83,6 +83,8 @@ def test_get_model_info(engine: sgl.Engine, model_dir: Path) -> None:
         assert info["model_path"] == str(model_dir)
         assert info["is_generation"] is True
         assert info["weight_version"] == "step-7"
+        assert info["model_type"] == "llama" and info["architectures"] == ["LlamaForCausalLM"]
+        assert info["preferred_sampling_params"] is None
 
         async def run() -> dict:
             return await engine.async_get_model_info()

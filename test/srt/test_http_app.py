@@ -371,7 +371,12 @@ def test_health_and_info(server: _Server) -> None:
         "model_path": "/models/fake",
         "tokenizer_path": "/models/fake",
         "is_generation": True,
+        "preferred_sampling_params": None,
         "weight_version": "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": None,  # the fake engine sent no ready info
+        "architectures": None,
     }
     server_info = httpx.get(server.url + "/get_server_info").json()
     assert server_info["port"] == server.server_args.port

@@ -60,6 +60,8 @@ def test_health_and_info_endpoints(server: ServerProcess, model_dir: Path) -> No
     assert httpx.get(server.url + "/health_generate", timeout=60).status_code == 200
     info = httpx.get(server.url + "/get_model_info").json()
     assert info["model_path"] == str(model_dir) and info["is_generation"] is True
+    assert info["model_type"] == "llama" and info["architectures"] == ["LlamaForCausalLM"]
+    assert httpx.get(server.url + "/model_info").json() == info
     assert "weight_version" in info
     server_info = httpx.get(server.url + "/get_server_info").json()
     assert server_info["port"] == server.port and server_info["version"]

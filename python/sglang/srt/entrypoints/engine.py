@@ -331,13 +331,17 @@ class Engine:
 
     def get_model_info(self) -> dict[str, Any]:
         """What this engine serves now (as ``GET /get_model_info``): ``model_path`` (the last
-        checkpoint loaded), ``tokenizer_path``, ``is_generation``, ``weight_version``."""
-        tokenizer_path = self.server_args.tokenizer_path
-        return self._run(replies.model_info(self._manager(), tokenizer_path))
+        checkpoint loaded), ``tokenizer_path``, ``is_generation``, ``weight_version``,
+        ``model_type``, ``architectures`` and upstream's other keys."""
+        return self._run(self._model_info())
 
     async def async_get_model_info(self) -> dict[str, Any]:
-        tokenizer_path = self.server_args.tokenizer_path
-        return await self._bridge(replies.model_info(self._manager(), tokenizer_path))
+        return await self._bridge(self._model_info())
+
+    def _model_info(self) -> Coroutine[Any, Any, dict[str, Any]]:
+        return replies.model_info(
+            self._manager(), self.server_args.tokenizer_path, self.scheduler_info
+        )
 
     def flush_cache(self) -> FlushCacheReqOutput:
         """Flush the prefix cache; ``.success`` False (with ``.error_msg``) when refused."""

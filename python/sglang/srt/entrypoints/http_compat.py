@@ -21,7 +21,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
-from sglang.srt.entrypoints import replies
 from sglang.srt.entrypoints.openai.serving_base import error_body, json_response
 from sglang.srt.managers.io_struct import (
     DestroyWeightsUpdateGroupReqInput,
@@ -106,8 +105,9 @@ async def server_info(request: Request) -> Response:
 @router.get("/model_info")
 async def model_info(request: Request) -> Response:
     """Upstream's new name of ``/get_model_info`` (same reply)."""
-    tokenizer_path = request.app.state.server_args.tokenizer_path
-    return json_response(await replies.model_info(_tm(request), tokenizer_path))
+    from sglang.srt.entrypoints.http_server import get_model_info
+
+    return await get_model_info(request)
 
 
 @router.post("/update_weights_from_tensor")

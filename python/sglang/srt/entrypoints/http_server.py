@@ -258,8 +258,11 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
 
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> Response:
-    tokenizer_path = request.app.state.server_args.tokenizer_path
-    return json_response(await replies.model_info(_tm(request), tokenizer_path))
+    state = request.app.state
+    tokenizer_path = state.server_args.tokenizer_path
+    return json_response(
+        await replies.model_info(_tm(request), tokenizer_path, state.scheduler_info)
+    )
 
 
 @router.get("/get_server_info")

@@ -40,15 +40,24 @@ def server_info(
     }
 
 
-async def model_info(tm: TokenizerManagerProtocol, tokenizer_path: str | None) -> dict[str, Any]:
-    """``get_model_info``: the checkpoint served now (a disk update changes it) and the current
-    weight version."""
+async def model_info(
+    tm: TokenizerManagerProtocol, tokenizer_path: str | None, scheduler_info: dict[str, Any]
+) -> dict[str, Any]:
+    """``get_model_info``: the checkpoint served now (a disk update changes it), the current
+    weight version, and upstream's other keys: the config's ``model_type`` and
+    ``architectures`` (from the scheduler's ready info; a disk update keeps them), and what
+    this build has not (no preferred sampling params, no image or audio input)."""
     states = await tm.get_internal_state()
     return {
         "model_path": tm.model_path,
         "tokenizer_path": tokenizer_path,
         "is_generation": True,
+        "preferred_sampling_params": None,
         "weight_version": states[0].get("weight_version") if states else None,
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": scheduler_info.get("model_type"),
+        "architectures": scheduler_info.get("architectures"),
     }
 
 

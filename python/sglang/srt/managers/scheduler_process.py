@@ -201,6 +201,8 @@ class SchedulerProcess:
             "context_length": core.model_config.context_len,
             "vocab_size": core.model_config.vocab_size,
             "max_running_requests": core.max_running_requests,
+            "model_type": getattr(core.model_config.hf_config, "model_type", None),
+            "architectures": core.model_config.architectures,
         }
 
     def event_loop(self) -> None:

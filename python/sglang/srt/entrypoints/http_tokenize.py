@@ -13,7 +13,6 @@ server started with ``--skip-tokenizer-init`` (no tokenizer to use).
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, cast
 
 from fastapi import APIRouter, Request
@@ -21,7 +20,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from sglang.srt.entrypoints.openai.serving_base import json_response
-from sglang.srt.managers.request_validation import TOKENIZE_INLINE_MAX_CHARS
+from sglang.srt.managers.request_validation import encode_texts
 from sglang.srt.managers.tokenizer_manager_protocol import (
     TokenizerManagerProtocol,
     tokenizer_manager_of,
@@ -52,14 +51,6 @@ def _tokenizer(tm: TokenizerManagerProtocol) -> Any:
     return tm.tokenizer
 
 
-def encode_texts(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-    """The ids of each text, as the generate path tokenizes them (one batched call)."""
-    if not texts:
-        return []
-    encoded = tokenizer(texts, add_special_tokens=add_special_tokens)
-    return [list(ids) for ids in encoded["input_ids"]]
-
-
 @router.post("/tokenize")
 @router.post("/v1/tokenize")
 async def tokenize(body: TokenizeBody, request: Request) -> Response:
@@ -71,10 +62,7 @@ async def tokenize(body: TokenizeBody, request: Request) -> Response:
     for i, text in enumerate(texts):
         if len(text.encode("utf-8", "surrogatepass")) > max_bytes:
             raise ValueError(f"prompt {i} is over --max-prompt-bytes ({max_bytes} bytes)")
-    if sum(len(t) for t in texts) > TOKENIZE_INLINE_MAX_CHARS:  # keep the event loop free
-        ids = await asyncio.to_thread(encode_texts, tokenizer, texts, body.add_special_tokens)
-    else:
-        ids = encode_texts(tokenizer, texts, body.add_special_tokens)
+    ids = await encode_texts(tokenizer, texts, body.add_special_tokens)
     if isinstance(body.prompt, str):
         return json_response(
             {"tokens": ids[0], "count": len(ids[0]), "max_model_len": tm.context_len}
@@ -93,9 +81,9 @@ async def detokenize(body: DetokenizeBody, request: Request) -> Response:
     single = all(isinstance(t, int) for t in body.tokens)  # validation: all ids or all lists
     seqs = [cast(list[int], body.tokens)] if single else cast(list[list[int]], body.tokens)
     vocab = tm.limits.vocab_size
-    for seq in seqs:
-        for token_id in seq:
-            if not 0 <= token_id < vocab:
-                raise ValueError(f"token id {token_id} is out of range [0, {vocab})")
+    for seq in filter(None, seqs):
+        low, high = min(seq), max(seq)
+        if low < 0 or high >= vocab:
+            raise ValueError(f"token id {low if low < 0 else high} is out of range [0, {vocab})")
     texts = tokenizer.batch_decode(seqs, skip_special_tokens=body.skip_special_tokens)
     return json_response({"text": texts[0] if single else list(texts)})

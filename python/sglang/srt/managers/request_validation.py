@@ -342,14 +342,34 @@ def _check_per_request(
 
 
 async def tokenize_texts(tokenizer: Any, obj: GenerateReqInput) -> list[list[int]] | None:
-    """Token ids of the texts of a normalized, checked request when they are long: tokenized
-    in a worker thread (Hugging Face fast tokenizers release the GIL), so the calling event
-    loop stays responsive. None when there is no text, no tokenizer, or little text: the
-    caller tokenizes inline then."""
+    """Token ids of the texts of a normalized, checked request when they are long (see
+    :func:`encode_texts`). None when there is no text, no tokenizer, or little text: the caller
+    tokenizes inline then."""
     if obj.text is None or tokenizer is None:
         return None
     texts = [obj.text] if isinstance(obj.text, str) else list(obj.text)
-    if sum(len(t) for t in texts) <= TOKENIZE_INLINE_MAX_CHARS:
+    if not _long(texts):
         return None
-    encoded = await asyncio.to_thread(tokenizer, texts)
+    return await encode_texts(tokenizer, texts)
+
+
+async def encode_texts(
+    tokenizer: Any, texts: list[str], add_special_tokens: bool = True
+) -> list[list[int]]:
+    """The token ids of each text, by one batched tokenizer call as the generate path makes
+    it; long texts in a worker thread (Hugging Face fast tokenizers release the GIL), so the
+    calling event loop stays responsive."""
+    if not texts:
+        return []
+    if _long(texts):
+        return await asyncio.to_thread(_encode, tokenizer, texts, add_special_tokens)
+    return _encode(tokenizer, texts, add_special_tokens)
+
+
+def _long(texts: list[str]) -> bool:
+    return sum(len(t) for t in texts) > TOKENIZE_INLINE_MAX_CHARS
+
+
+def _encode(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    encoded = tokenizer(texts, add_special_tokens=add_special_tokens)
     return [list(ids) for ids in encoded["input_ids"]]

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from sglang.srt.layers import cpu_brgemm, cpu_gemv
-from sglang.srt.layers.cpu_prepack import packed_product
+from sglang.srt.layers.cpu_prepack import native_bf16_supported, packed_product
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
 SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
@@ -68,7 +68,12 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         weights = [(torch.randn(n, k) * 0.05).to(dtype) for n, k in shapes]
         nbytes = sum(w.numel() for w in weights) * dtype.itemsize
-        packed = [(torch.ops.mkldnn._reorder_linear_weight(w, 64), w.shape[1]) for w in weights]
+        # Without native bfloat16 (an AVX2 host) the engine packs a float32 copy (upcast_bf16).
+        upcast = dtype == torch.bfloat16 and not native_bf16_supported()
+        packed = [
+            (torch.ops.mkldnn._reorder_linear_weight(w.float() if upcast else w, 64), w.shape[1])
+            for w in weights
+        ]
         for threads in args.threads:
             torch.set_num_threads(threads)
             widths = [cpu_brgemm.blockable(w, threads) if has_brgemm else None for w in weights]

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from sglang.srt.layers.cpu_decode_attention import decode_attention, kernel_supports, load_kernel
-from sglang.srt.layers.cpu_extension import avx512_host
+from sglang.srt.layers.cpu_extension import avx2_host
 
 pytestmark = pytest.mark.skipif(
-    platform.system() != "Linux" or not avx512_host(),
-    reason="the kernel is built on Linux hosts with AVX-512 only",
+    platform.system() != "Linux" or not avx2_host(),
+    reason="the kernel is built on Linux hosts with AVX2 or AVX-512 only",
 )
 
 # Per row: 1, non-multiples of 16, and lengths over one (512 keys) and several work chunks.

@@ -11,12 +11,17 @@ import pytest
 import torch
 
 from sglang.srt.layers import cpu_gemv
-from sglang.srt.layers.cpu_extension import avx512_host
-from sglang.srt.layers.cpu_prepack import SMALL_BATCH_ROWS, PackedLinear, prepack_supported
+from sglang.srt.layers.cpu_extension import avx2_host
+from sglang.srt.layers.cpu_prepack import (
+    SMALL_BATCH_ROWS,
+    PackedLinear,
+    native_bf16_supported,
+    prepack_supported,
+)
 
 pytestmark = pytest.mark.skipif(
-    platform.system() != "Linux" or not avx512_host(),
-    reason="the kernel is built on Linux hosts with AVX-512 only",
+    platform.system() != "Linux" or not avx2_host(),
+    reason="the kernel is built on Linux hosts with AVX2 or AVX-512 only",
 )
 
 
@@ -90,7 +95,7 @@ def test_packed_linear_uses_it_for_small_batches(
 
     calls = spy_rows(cpu_prepack, "small_linear")
     weight = torch.randn(100, 64).to(dtype)
-    packer = PackedLinear()
+    packer = PackedLinear(upcast_bf16=not native_bf16_supported())  # as the model runner packs
     x = torch.randn(SMALL_BATCH_ROWS + 1, 64).to(dtype)
     full = packer(x, weight)
     small = packer(x[:SMALL_BATCH_ROWS], weight)
@@ -101,13 +106,13 @@ def test_packed_linear_uses_it_for_small_batches(
     torch.testing.assert_close(packer(x[:1], weight), 2 * small[:1], atol=tol, rtol=tol)
 
 
-def test_kept_off_without_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a CPU without AVX-512 the kernel is not built and the packed product serves every
-    batch (its 16-float vectors run several times slower on AVX2)."""
+def test_kept_off_without_avx2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU without AVX2 (or AVX-512) the kernel is not built and the packed product serves
+    every batch."""
     import sglang.srt.layers.cpu_prepack as cpu_prepack
     from sglang.srt.layers import cpu_extension
 
-    monkeypatch.setattr(cpu_extension, "avx512_host", lambda: False)
+    monkeypatch.setattr(cpu_extension, "avx2_host", lambda: False)
     monkeypatch.setattr(cpu_gemv._KERNEL, "module", None)
     assert not cpu_gemv.load_kernel()
     x, weight = torch.randn(1, 64), torch.randn(16, 64)

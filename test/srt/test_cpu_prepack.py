@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from sglang.srt.layers.cpu_prepack import (
     PackedLinear,
     enable_cpu_weight_prepack,
+    native_bf16_supported,
     pack_now,
     prepack_supported,
 )
@@ -131,8 +132,13 @@ def test_model_runner_packs_every_linear(
         model_path=path, device="cpu", dtype=dtype, max_total_tokens=64, cpu_bf16_linear=mode
     )
     runner = ModelRunner(args, ModelConfig(path, dtype=dtype, device="cpu"))
-    assert runner.weight_packers and all(p.nbytes > 0 for p in runner.weight_packers)
-    assert all(p.packed_dtype == packed_dtype for p in runner.weight_packers)
+    assert runner.weight_packers
+    if packed_dtype == torch.bfloat16 and not native_bf16_supported():
+        # oneDNN packs bfloat16 only on CPUs with native bfloat16: torch's product serves.
+        assert all(p.nbytes == 0 for p in runner.weight_packers)
+    else:
+        assert all(p.nbytes > 0 for p in runner.weight_packers)
+        assert all(p.packed_dtype == packed_dtype for p in runner.weight_packers)
     runner.release_weights()
     assert all(p.nbytes == 0 for p in runner.weight_packers)
 

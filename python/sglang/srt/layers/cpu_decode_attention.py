@@ -59,7 +59,7 @@ constexpr int64_t kPrefetchL2 = 32;
 // 1.5 * 2^23), |r| <= ln 2 / 2, e^r by its Taylor polynomial of degree 6 (relative error
 // < 2e-7); x below -87 gives ~1.6e-38.
 inline f32x16 exp16(f32x16 x) {
-  x = x < -87.0f ? splat(-87.0f) : x;
+  x = max16(splat(-87.0f), x);  // x < -87 ? -87 : x
   const f32x16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const f32x16 r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
   const f32x16 p =
@@ -115,6 +115,22 @@ inline void key_partials(const Operands<T>& op, const float* qf, const T* qraw, 
     }
   }
 #endif
+#if defined(SGLANG_CPU_AVX2)
+  // The same partials in 8-float halves held in registers (GCC spills 16-float arrays here).
+  __m256 kv8[2 * kMaxVecs];
+  for (int64_t c = 0; c < 2 * D / kLanes; ++c) kv8[c] = load8(kr + 8 * c);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = qf + g * D;
+    __m256 lo = _mm256_mul_ps(load8(qg), kv8[0]), hi = _mm256_mul_ps(load8(qg + 8), kv8[1]);
+    for (int64_t c = 1; c < D / kLanes; ++c) {
+      lo = _mm256_fmadd_ps(load8(qg + c * kLanes), kv8[2 * c], lo);
+      hi = _mm256_fmadd_ps(load8(qg + c * kLanes + 8), kv8[2 * c + 1], hi);
+    }
+    store8(lo, part + g * part_stride);
+    store8(hi, part + g * part_stride + 8);
+  }
+  return;
+#endif
   f32x16 kv[kMaxVecs];
   for (int64_t c = 0; c < D / kLanes; ++c) kv[c] = load16(kr + c * kLanes);
   for (int64_t g = 0; g < G; ++g) {
@@ -143,6 +159,30 @@ void add_values_widened(const Operands<T>& op, const T* vh, const int64_t* slots
   const int64_t G = op.G, D = kD ? kD : op.D, nvec = D / kLanes, row = op.kvh * D;
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   constexpr int64_t kVecs = kD ? kD / kLanes : kMaxVecs;
+#if defined(SGLANG_CPU_AVX2)
+  // The same sums in 8-float halves held in registers (GCC spills 16-float arrays here).
+  for (int64_t g0 = 0; g0 < G; g0 += kHeads) {
+    const int64_t gn = std::min(kHeads, G - g0);
+    __m256 a[kHeads][2 * kVecs];
+    for (int64_t gi = 0; gi < kHeads; ++gi) {
+      for (int64_t c = 0; c < 2 * nvec; ++c) a[gi][c] = _mm256_setzero_ps();
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      if (t + kPrefetch < n) prefetch_row(vh + slots[t + kPrefetch] * row, row_bytes);
+      const T* vr = vh + slots[t] * row;
+      for (int64_t gi = 0; gi < kHeads; ++gi) {
+        const __m256 w = _mm256_set1_ps(gi < gn ? p[(g0 + gi) * n_pad + t] : 0.0f);
+        for (int64_t c = 0; c < 2 * nvec; ++c) {
+          a[gi][c] = _mm256_fmadd_ps(w, load8(vr + 8 * c), a[gi][c]);
+        }
+      }
+    }
+    for (int64_t gi = 0; gi < gn; ++gi) {
+      for (int64_t c = 0; c < 2 * nvec; ++c) store8(a[gi][c], acc + (g0 + gi) * D + 8 * c);
+    }
+  }
+  return;
+#endif
   for (int64_t g0 = 0; g0 < G; g0 += kHeads) {
     const int64_t gn = std::min(kHeads, G - g0);
     f32x16 a[kHeads][kVecs];
@@ -293,7 +333,7 @@ void attend_chunk(const Operands<T>& op, int64_t b, int64_t h, int64_t t0, int64
     int64_t t = 0;
     for (; t + kLanes <= n; t += kLanes) {
       const f32x16 s = load16(sg + t);
-      mv = s > mv ? s : mv;
+      mv = max16(s, mv);
     }
     float mx = mv[0];
     for (int64_t w = 1; w < kLanes; ++w) mx = std::max(mx, mv[w]);
@@ -405,6 +445,15 @@ void dispatch_head_dim(const Operands<T>& op, const std::vector<int64_t>& lens, 
                        int64_t out_stride) {
   // kHeads: query heads whose value accumulators fit in the registers at once (3 where the
   // group size is a multiple of 3, e.g. SmolLM2's 9/3, so that no pass carries an idle head).
+  // Without AVX-512 there are 16 registers of 8 floats: one head's accumulators of a 64-wide
+  // row take 8 of them, and more heads would spill them to the stack every key.
+#if !defined(__AVX512F__)
+  switch (op.D) {
+    case 64: return run<64, 1, T>(op, lens, out, out_stride);
+    case 128: return run<128, 1, T>(op, lens, out, out_stride);
+    default: return run<0, 1, T>(op, lens, out, out_stride);
+  }
+#endif
   switch (op.D) {
     case 64:
       if (op.G % 3 == 0) return run<64, 3, T>(op, lens, out, out_stride);
@@ -487,7 +536,7 @@ _KERNEL = CpuKernel(
     _CPP_SOURCE,
     ["decode_attention"],
     "CPU decode-attention kernel",
-    needs_avx512=True,
+    needs_avx2=True,
 )
 
 

@@ -935,7 +935,6 @@ _KERNEL = CpuKernel(
     _CPP_SOURCE,
     ["extend_attention"],
     "CPU prefill-attention kernel",
-    needs_avx512=False,
 )
 
 

@@ -41,11 +41,12 @@ CPP_TORCH_HEADERS = r"""
 #include <torch/csrc/utils/pybind.h>
 """
 
-# C++ shared by the 16-float kernels (prepended to each one's source; used on AVX-512 hosts,
-# see avx512_host): GCC vector types of 16 float32 lanes (one AVX-512 register); loads and
-# stores of 16 float32 or bfloat16 values (bfloat16 handled as its raw 16 bits, the high half
-# of a float32; stores round to nearest even, for finite values); and a reduction of 16
-# vectors to their 16 lane sums.
+# C++ shared by the 16-float kernels (prepended to each one's source; used on AVX-512 and AVX2
+# hosts, see avx2_host): GCC vector types of 16 float32 lanes (one AVX-512 register, two AVX2
+# ones); loads and stores of 16 float32 or bfloat16 values (bfloat16 handled as its raw 16
+# bits, the high half of a float32; stores round to nearest even, for finite values); a lane
+# max; a reduction of 16 vectors to their 16 lane sums; and, on AVX2 hosts without AVX-512
+# (SGLANG_CPU_AVX2), 8-float loads, stores and sums for the kernels' own AVX2 hot loops.
 CPP_VECTOR_PRELUDE = r"""
 
 #include <algorithm>
@@ -56,8 +57,15 @@ CPP_VECTOR_PRELUDE = r"""
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+// An x86 CPU with AVX2 and no AVX-512: a 16-float vector is two of its registers, and GCC
+// handles such oversized vectors badly (cross-register shuffles and compare-and-selects one
+// lane at a time, arrays of them kept in memory). The hot loops take 8-float paths there.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define SGLANG_CPU_AVX2 1
 #endif
 
 namespace sglang_cpu {
@@ -95,6 +103,54 @@ inline float load1(uint16_t x) {
 }
 inline f32x16 splat(float x) { return f32x16{} + x; }
 
+// a > b ? a : b, lane by lane (b where either is NaN). Without AVX-512 GCC lowers a 16-float
+// vector compare-and-select one lane at a time; there it is one max per AVX register.
+inline f32x16 max16(f32x16 a, f32x16 b) {
+#if defined(SGLANG_CPU_AVX2)
+  f32x16 out;
+  const __m256* pa = reinterpret_cast<const __m256*>(&a);
+  const __m256* pb = reinterpret_cast<const __m256*>(&b);
+  __m256* o = reinterpret_cast<__m256*>(&out);
+  o[0] = _mm256_max_ps(pa[0], pb[0]);
+  o[1] = _mm256_max_ps(pa[1], pb[1]);
+  return out;
+#else
+  return a > b ? a : b;
+#endif
+}
+
+#if defined(SGLANG_CPU_AVX2)
+// 8 float32 lanes from 8 float32 or bfloat16 values (as load16); store8 of float32 lanes.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline void store8(__m256 v, float* p) { _mm256_storeu_ps(p, v); }
+
+// The 8 lane sums of x[0..7] (8-float vectors): two horizontal-add levels leave each 128-bit
+// half holding four of the sums of that half's lanes; adding the halves finishes them.
+inline __m256 sum_lanes8(const __m256* x) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// out[j] = the sum of the 16 lanes of v[j], without the shuffle tree below (which GCC lowers one
+// lane at a time here): add each vector's halves, then reduce eight at a time.
+inline f32x16 sum_lanes16(const f32x16* v) {
+  __m256 half[16];
+  for (int i = 0; i < 16; ++i) {
+    const __m256* p = reinterpret_cast<const __m256*>(&v[i]);
+    half[i] = _mm256_add_ps(p[0], p[1]);
+  }
+  f32x16 out;
+  __m256* o = reinterpret_cast<__m256*>(&out);
+  o[0] = sum_lanes8(half);
+  o[1] = sum_lanes8(half + 8);
+  return out;
+}
+#else
 // out[j] = the sum of the 16 lanes of v[j]: a shuffle-add tree (15 pair steps), which leaves
 // lane j holding v[bit-reversed j]; a final shuffle restores the order.
 inline f32x16 sum_lanes16(const f32x16* v) {
@@ -123,6 +179,7 @@ inline f32x16 sum_lanes16(const f32x16* v) {
                                            27, 13, 29, 15, 31);
   return __builtin_shufflevector(d, d, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
+#endif
 
 }  // namespace sglang_cpu
 """
@@ -150,11 +207,12 @@ def _cpu_flags_hash() -> str:
     return hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]
 
 
-def avx512_host() -> bool:
-    """Whether this CPU has AVX-512 (``avx512f``). The kernels written with 16-float vectors
-    (the prelude's ``f32x16``) need it: an AVX2 build of them ran 2.5-30x slower than with
-    AVX-512, so elsewhere their callers keep the torch path."""
-    return " avx512f" in cpu_flags()
+def avx2_host() -> bool:
+    """Whether this CPU has AVX2 (every AVX-512 CPU has it too). The kernels written with the
+    prelude's 16-float vectors need it: they use one AVX-512 register per vector, or take
+    8-float AVX2 paths in their hot loops (built without those, on AVX2 they ran 2-3x slower,
+    no faster than torch). Elsewhere (aarch64, older x86) their callers keep the torch path."""
+    return " avx2" in cpu_flags()
 
 
 def platform_supported() -> bool:
@@ -264,8 +322,8 @@ def load_side_by_side(loaders: Sequence[Callable[[], object]]) -> None:
 
 class CpuKernel:
     """One kernel module's extension, built on first :meth:`load` (the model runner calls it at
-    model load, not mid-step) and then held. ``needs_avx512``: written with the prelude's
-    16-float vectors, so not built on a CPU without AVX-512 (:func:`avx512_host`).
+    model load, not mid-step) and then held. ``needs_avx2``: written with the prelude's
+    16-float vectors, so not built on a CPU without AVX2 (:func:`avx2_host`).
     ``extra_cflags``: compiler flags of this kernel only."""
 
     def __init__(
@@ -275,11 +333,11 @@ class CpuKernel:
         source: str,
         functions: list[str],
         what: str,
-        needs_avx512: bool = False,
+        needs_avx2: bool = False,
         extra_cflags: tuple[str, ...] = (),
     ) -> None:
         self.name, self.declaration, self.source = name, declaration, source
-        self.functions, self.what, self.needs_avx512 = functions, what, needs_avx512
+        self.functions, self.what, self.needs_avx2 = functions, what, needs_avx2
         self.extra_cflags = extra_cflags
         # The built module once load() succeeded.
         self.module: ModuleType | None = None
@@ -293,8 +351,8 @@ class CpuKernel:
 
     def _load(self) -> bool:
         if self.module is None:
-            if self.needs_avx512 and not avx512_host():
-                logger.info("%s: this CPU has no AVX-512; using torch", self.what)
+            if self.needs_avx2 and not avx2_host():
+                logger.info("%s: this CPU has no AVX2; using torch", self.what)
                 return False
             self.module = build_cpu_extension(
                 self.name,

@@ -35,6 +35,8 @@ calls :meth:`PackedLinear.packed_weight` for every layer before each compiled fo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -91,6 +93,7 @@ def _packed_linear_fake(
     return x.new_empty((*x.shape[:-1], n))
 
 
+@functools.cache
 def native_bf16_supported() -> bool:
     """Whether oneDNN has native bfloat16 kernels on this CPU (AVX512-BF16 or AMX)."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -163,6 +166,10 @@ class PackedLinear:
             source = weight.detach()
             if self.upcast_bf16 and source.dtype == torch.bfloat16:
                 source = source.float()
+            elif source.dtype == torch.bfloat16 and not native_bf16_supported():
+                # oneDNN packs bfloat16 only where the CPU computes in it (--cpu-bf16-linear
+                # bf16 on an AVX2 host): the plain product serves.
+                return None
             self._packed = _pack(source)
             self._key = key
         return self._packed

@@ -172,7 +172,7 @@ class ServerArgs:
         "and prefill-attention kernels (compiled at model load and cached in torch's "
         "extensions directory; per layer 1.7-5.3x faster than SDPA for decode and "
         "1.3-3.6x for prefill, see docs/performance.md). The decode kernel is built on "
-        "AVX-512 hosts only; where a kernel is not built, SDPA is used anyway.",
+        "x86 hosts with AVX2 or AVX-512; where a kernel is not built, SDPA is used anyway.",
     )
     disable_cpu_fused_ops: bool = _arg(
         False,

@@ -20,9 +20,11 @@ depends on the length only, so a request's result is the same bits in any batch 
 number of threads. Rows are prefetched ahead (see kPrefetch), as their slots are scattered.
 
 The vector code is GCC vector types of 16 floats (the prelude of
-:mod:`~sglang.srt.layers.cpu_extension`), built with ``-O3 -march=native`` for hosts with
-AVX-512 only (an AVX2 build ran 2.5x slower than the AVX-512 one, slower than SDPA; there
-:func:`load_kernel` returns False). In bfloat16 on a CPU with AVX512-BF16 the scores use
+:mod:`~sglang.srt.layers.cpu_extension`), built with ``-O3 -march=native`` on hosts with
+AVX-512 or AVX2 (elsewhere :func:`load_kernel` returns False). On AVX2 without AVX-512 the key
+and value loops hold 8-float halves in registers, one query head's value accumulators per pass
+(16 registers of 8 floats): written with 16-float vectors alone GCC spilled them every key and
+selected lane by lane, and the kernel ran no faster than SDPA. In bfloat16 on a CPU with AVX512-BF16 the scores use
 ``vdpbf16ps`` (exact products, float32 sums) and so do the values, two keys at a time with
 the weights rounded to bfloat16, as SDPA's bfloat16 path rounds them; ``native_bf16=False``
 takes the widened float32 path that other CPUs use. q, K and V share one dtype (float32 or

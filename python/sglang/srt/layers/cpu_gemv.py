@@ -13,10 +13,14 @@ accumulated in float32 (16 lanes per output, the lanes of 16 outputs summed by o
 tree), rounded once to the output dtype (bfloat16: to nearest even), the bias added before
 the rounding. bfloat16 products use the CPU's ``vdpbf16ps`` where it has AVX512-BF16, else
 they are widened to float32 (the same products). The vector code is GCC vector types of 16
-floats (the prelude of :mod:`~sglang.srt.layers.cpu_extension`), for hosts with AVX-512 only.
-Built at model load (:class:`~sglang.srt.layers.cpu_extension.CpuKernel`); where it
-is not built (no AVX-512, a failed build) :func:`load_kernel` returns False and the packed
-product serves every batch.
+floats (the prelude of :mod:`~sglang.srt.layers.cpu_extension`); on a CPU with AVX2 and no
+AVX-512 the weight loop keeps each row's partials as two 8-float registers, added pairwise
+before an 8-wide reduction (built with the 16-float code alone, GCC kept the accumulators in
+memory there and the kernel read at ~8 GB/s instead of ~18). On such a host it reads a
+bfloat16 model's own bfloat16 weights, half the bytes of the float32 copies the packed product
+multiplies there (``--cpu-bf16-linear auto``). Built at model load
+(:class:`~sglang.srt.layers.cpu_extension.CpuKernel`); where it is not built (no AVX2, a
+failed build) :func:`load_kernel` returns False and the packed product serves every batch.
 """
 
 from __future__ import annotations

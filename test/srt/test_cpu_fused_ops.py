@@ -85,8 +85,8 @@ def test_add_rms_norm_any_leading_shape() -> None:
 @pytest.mark.parametrize("rows", [1, 64, 700])
 @pytest.mark.parametrize("d", [768, 45])
 def test_silu_and_mul_matches_torch(dtype: torch.dtype, rows: int, d: int) -> None:
-    """d = 45: on AVX-512 hosts the first 32 columns take the 16-lane path, the rest the
-    scalar one."""
+    """d = 45: on AVX-512 hosts the first 32 columns take the 16-lane path, on AVX2 hosts the
+    first 40 the 8-lane one, the rest the scalar one."""
     torch.manual_seed(rows)
     x = wide_rows(rows, 2 * d, dtype, 4.0)
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamped range, and zero

@@ -24,11 +24,11 @@ The vector code is GCC vector types of 16 floats (the prelude of
 AVX-512 or AVX2 (elsewhere :func:`load_kernel` returns False). On AVX2 without AVX-512 the key
 and value loops hold 8-float halves in registers, one query head's value accumulators per pass
 (16 registers of 8 floats): written with 16-float vectors alone GCC spilled them every key and
-selected lane by lane, and the kernel ran no faster than SDPA. In bfloat16 on a CPU with AVX512-BF16 the scores use
-``vdpbf16ps`` (exact products, float32 sums) and so do the values, two keys at a time with
-the weights rounded to bfloat16, as SDPA's bfloat16 path rounds them; ``native_bf16=False``
-takes the widened float32 path that other CPUs use. q, K and V share one dtype (float32 or
-bfloat16); the output has it too.
+selected lane by lane, and the kernel ran no faster than SDPA. In bfloat16 on a CPU with
+AVX512-BF16 the scores use ``vdpbf16ps`` (exact products, float32 sums) and so do the values,
+two keys at a time with the weights rounded to bfloat16, as SDPA's bfloat16 path rounds them;
+``native_bf16=False`` takes the widened float32 path that other CPUs use. q, K and V share
+one dtype (float32 or bfloat16); the output has it too.
 
 The extension is built at model load (:class:`~sglang.srt.layers.cpu_extension.CpuKernel`),
 cached per source and CPU; where it is not built :func:`load_kernel` returns False and the

@@ -153,6 +153,57 @@ inline void silu_mul16(const T* g, const T* u, T* o) {
 }
 #endif
 
+#if defined(SGLANG_CPU_AVX2)
+// The scalar loop below on 8 columns (GCC did not vectorise it: SiLU-and-mul was ~4% of a
+// float32 run on an AVX2 host): exp_poly's operations in its order, then the same division and
+// from_f32 roundings, so each lane is the scalar loop's result to the bit.
+inline __m256 splat8(float x) { return _mm256_set1_ps(x); }
+
+inline __m256 exp_poly8(__m256 x) {
+  x = _mm256_min_ps(splat8(88.0f), _mm256_max_ps(splat8(-87.0f), x));  // as std::min/max
+  const __m256 n = _mm256_sub_ps(
+      _mm256_add_ps(_mm256_mul_ps(x, splat8(1.44269504088896341f)), splat8(12582912.0f)),
+      splat8(12582912.0f));
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, splat8(0.693145751953125f))),
+                                 _mm256_mul_ps(n, splat8(1.428606765330187e-06f)));
+  __m256 p = _mm256_add_ps(splat8(8.3333338e-3f), _mm256_mul_ps(r, splat8(1.3888889e-3f)));
+  for (const float c : {4.1666668e-2f, 1.6666667e-1f, 0.5f, 1.0f, 1.0f}) {
+    p = _mm256_add_ps(splat8(c), _mm256_mul_ps(r, p));
+  }
+  const __m256i bits =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// from_f32<T> on 8 lanes, back as float32 (rounded values), and stored at p.
+inline __m256 round8(__m256 v, float*) { return v; }
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+}
+inline __m256 round8(__m256 v, bf16*) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+}
+inline void store_rounded8(__m256 v, float* p) { _mm256_storeu_ps(p, v); }
+inline void store_rounded8(__m256 v, bf16* p) {
+  const __m256i h = bf16_bits8(v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+
+template <typename T>
+inline void silu_mul8(const T* g, const T* u, T* o) {
+  const __m256 x = sglang_cpu::load8(g);
+  const __m256 e = exp_poly8(_mm256_xor_ps(x, splat8(-0.0f)));
+  const __m256 act = round8(_mm256_div_ps(x, _mm256_add_ps(splat8(1.0f), e)), o);
+  store_rounded8(_mm256_mul_ps(act, sglang_cpu::load8(u)), o);
+}
+#endif
+
 template <typename T>
 void silu_and_mul_rows(const T* x, int64_t x_stride, int64_t rows, int64_t d, T* out) {
   at::parallel_for(0, rows, grain(2 * d), [&](int64_t begin, int64_t end) {
@@ -163,6 +214,8 @@ void silu_and_mul_rows(const T* x, int64_t x_stride, int64_t rows, int64_t d, T*
       int64_t j = 0;
 #if defined(__AVX512F__)
       for (; j + 16 <= d; j += 16) silu_mul16(g + j, u + j, o + j);
+#elif defined(SGLANG_CPU_AVX2)
+      for (; j + 8 <= d; j += 8) silu_mul8(g + j, u + j, o + j);
 #endif
       for (; j < d; ++j) {
         const float gj = load1(g[j]);

@@ -449,7 +449,7 @@ void dispatch_head_dim(const Operands<T>& op, const std::vector<int64_t>& lens, 
   // group size is a multiple of 3, e.g. SmolLM2's 9/3, so that no pass carries an idle head).
   // Without AVX-512 there are 16 registers of 8 floats: one head's accumulators of a 64-wide
   // row take 8 of them, and more heads would spill them to the stack every key.
-#if !defined(__AVX512F__)
+#if defined(SGLANG_CPU_AVX2)
   switch (op.D) {
     case 64: return run<64, 1, T>(op, lens, out, out_stride);
     case 128: return run<128, 1, T>(op, lens, out, out_stride);

@@ -37,7 +37,8 @@ from sglang.srt.layers.cpu_extension import CPP_VECTOR_PRELUDE, CpuKernel
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
-# The prelude's scalar load1 (float32 or bfloat16 -> float32) is all these kernels take of it.
+# These kernels take the prelude's scalar load1 (float32 or bfloat16 -> float32), and on AVX2
+# hosts its load8 (the 8-column SiLU path).
 _CPP_SOURCE = CPP_VECTOR_PRELUDE + r"""
 #include <tuple>
 #if defined(__AVX512F__)

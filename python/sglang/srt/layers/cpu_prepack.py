@@ -158,6 +158,13 @@ class PackedLinear:
             or weight.dim() != 2
             or weight.numel() == 0
             or weight.is_inference()
+            # oneDNN packs bfloat16 only where the CPU computes in it (--cpu-bf16-linear bf16
+            # on an AVX2 host): the plain product serves.
+            or (
+                weight.dtype == torch.bfloat16
+                and not self.upcast_bf16
+                and not native_bf16_supported()
+            )
         ):
             return None
         key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
@@ -166,10 +173,6 @@ class PackedLinear:
             source = weight.detach()
             if self.upcast_bf16 and source.dtype == torch.bfloat16:
                 source = source.float()
-            elif source.dtype == torch.bfloat16 and not native_bf16_supported():
-                # oneDNN packs bfloat16 only where the CPU computes in it (--cpu-bf16-linear
-                # bf16 on an AVX2 host): the plain product serves.
-                return None
             self._packed = _pack(source)
             self._key = key
         return self._packed

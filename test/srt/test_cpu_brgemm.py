@@ -47,9 +47,11 @@ DTYPES = [
 ]
 
 
-# Rows: none, the small-batch sizes, a decode batch, and both sides of a row chunk.
+# Rows: none, the small-batch sizes, a decode batch, and both sides of a row chunk. In
+# features: under, at and over the k chunk of AVX2 hosts (K_CHUNK_AVX2), 200 with a short last
+# chunk there.
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 64, 255, 256, 257, 600])
-@pytest.mark.parametrize("shape", [(96, 40), (576, 576), (48, 1536), (1040, 64)])
+@pytest.mark.parametrize("shape", [(96, 40), (576, 576), (48, 1536), (1040, 64), (80, 200)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matches_float64_product(
@@ -89,7 +91,7 @@ def test_inputs_of_any_rank_and_layout() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_independent_of_batch_and_threads(dtype: torch.dtype) -> None:
-    """Each output is one dot product in k order: a row gets the same bits alone, in any
+    """Each output is a sum over k in a fixed order: a row gets the same bits alone, in any
     batch and with any number of threads."""
     weight = torch.randn(576, 1536).to(dtype)
     blocked = cpu_brgemm.block_weight(weight, 48)

@@ -27,10 +27,12 @@ Measured there (Zen 3, 2 threads, SmolLM2's layer shapes): 1.13-1.18x at 32-64 r
 at 512-2048. On AVX-512 hosts, where the unsplit loop was measured, k is not split.
 
 Each output is a float32 sum over k in a fixed order (set by K and the host alone), so a row's
-result does not depend on the other rows or on the thread count. Measured against oneDNN's packed product on SmolLM2's
-layer shapes (2 threads, 30 copies of each weight so that they stream from memory as in a
-step): in float32 1.05-1.8x on the narrow layers at 3-128 rows, 1.0-1.1x on gate/up and the
-LM head, 0.95-1.05x at prefill sizes; in bfloat16 1.3-2.8x on the narrow layers at 1-64 rows.
+result does not depend on the other rows or on the thread count. Measured against oneDNN's
+packed product on SmolLM2's layer shapes (2 threads, 30 copies of each weight so that they
+stream from memory as in a step), on an AVX-512 host: in float32 1.05-1.8x on the narrow layers
+at 3-128 rows, 1.0-1.1x on gate/up and the LM head, 0.95-1.05x at prefill sizes; in bfloat16
+1.3-2.8x on the narrow layers at 1-64 rows. On the AVX2 host, k split: 1.2-1.3x at 32-64 rows,
+0.95-1.0x at 512 rows, 0.95x at 2048.
 ``benchmark/bench_small_linear.py`` measures a whole step's matrices.
 
 Built with the other kernels at model load (:class:`~sglang.srt.layers.cpu_extension.CpuKernel`)

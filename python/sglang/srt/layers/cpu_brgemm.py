@@ -31,7 +31,7 @@ result does not depend on the other rows or on the thread count. Measured agains
 packed product on SmolLM2's layer shapes (2 threads, 30 copies of each weight so that they
 stream from memory as in a step), on an AVX-512 host: in float32 1.05-1.8x on the narrow layers
 at 3-128 rows, 1.0-1.1x on gate/up and the LM head, 0.95-1.05x at prefill sizes; in bfloat16
-1.3-2.8x on the narrow layers at 1-64 rows. On the AVX2 host, k split: 1.2-1.3x at 32-64 rows,
+1.3-2.8x on the narrow layers at 1-64 rows. On the AVX2 host, k split: 1.25-1.35x at 32-64 rows,
 0.95-1.0x at 512 rows, 0.95x at 2048.
 ``benchmark/bench_small_linear.py`` measures a whole step's matrices.
 

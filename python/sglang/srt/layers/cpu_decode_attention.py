@@ -22,13 +22,14 @@ number of threads. Rows are prefetched ahead (see kPrefetch), as their slots are
 The vector code is GCC vector types of 16 floats (the prelude of
 :mod:`~sglang.srt.layers.cpu_extension`), built with ``-O3 -march=native`` on hosts with
 AVX-512 or AVX2 (elsewhere :func:`load_kernel` returns False). On AVX2 without AVX-512 the key
-and value loops hold 8-float halves in registers, one query head's value accumulators per pass
-(16 registers of 8 floats): written with 16-float vectors alone GCC spilled them every key and
-selected lane by lane, and the kernel ran no faster than SDPA. In bfloat16 on a CPU with
-AVX512-BF16 the scores use ``vdpbf16ps`` (exact products, float32 sums) and so do the values,
-two keys at a time with the weights rounded to bfloat16, as SDPA's bfloat16 path rounds them;
-``native_bf16=False`` takes the widened float32 path that other CPUs use. q, K and V share
-one dtype (float32 or bfloat16); the output has it too.
+and value loops hold 8-float halves in registers, the value accumulators of three query heads
+over half a 64-wide row per pass (12 of the 16 registers of 8 floats; 1.04-1.1x over one
+head's whole row per pass, the same sums): written with 16-float vectors alone GCC spilled
+them every key and selected lane by lane, and the kernel ran no faster than SDPA. In
+bfloat16 on a CPU with AVX512-BF16 the scores use ``vdpbf16ps`` (exact products, float32 sums)
+and so do the values, two keys at a time with the weights rounded to bfloat16, as SDPA's
+bfloat16 path rounds them; ``native_bf16=False`` takes the widened float32 path that other
+CPUs use. q, K and V share one dtype (float32 or bfloat16); the output has it too.
 
 The extension is built at model load (:class:`~sglang.srt.layers.cpu_extension.CpuKernel`),
 cached per source and CPU; where it is not built :func:`load_kernel` returns False and the
@@ -162,25 +163,40 @@ void add_values_widened(const Operands<T>& op, const T* vh, const int64_t* slots
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   constexpr int64_t kVecs = kD ? kD / kLanes : kMaxVecs;
 #if defined(SGLANG_CPU_AVX2)
-  // The same sums in 8-float halves held in registers (GCC spills 16-float arrays here).
+  // The same sums with 16 registers of 8 floats: kHeads heads at once over a window of kW
+  // 8-float columns (at most 12 accumulators; the V values are the FMAs' memory operands, read
+  // from L1 once per head), one pass over the V rows per window and group of heads; the V rows
+  // are prefetched in the first pass only. Each sum runs over t in order, as above.
+  constexpr int64_t kW = kHeads == 1   ? (kD >= 64 ? 8 : 2)
+                         : kHeads <= 3 ? (kD > 0 && kD % 32 == 0 ? 4 : 2)
+                                       : 2;
+  static_assert(kHeads * kW <= 12, "the accumulators must fit in the registers");
+  const int64_t halves = 2 * nvec;
   for (int64_t g0 = 0; g0 < G; g0 += kHeads) {
     const int64_t gn = std::min(kHeads, G - g0);
-    __m256 a[kHeads][2 * kVecs];
-    for (int64_t gi = 0; gi < kHeads; ++gi) {
-      for (int64_t c = 0; c < 2 * nvec; ++c) a[gi][c] = _mm256_setzero_ps();
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      if (t + kPrefetch < n) prefetch_row(vh + slots[t + kPrefetch] * row, row_bytes);
-      const T* vr = vh + slots[t] * row;
+    for (int64_t c0 = 0; c0 < halves; c0 += kW) {
+      const bool first_pass = g0 == 0 && c0 == 0;
+      __m256 a[kHeads][kW];
       for (int64_t gi = 0; gi < kHeads; ++gi) {
-        const __m256 w = _mm256_set1_ps(gi < gn ? p[(g0 + gi) * n_pad + t] : 0.0f);
-        for (int64_t c = 0; c < 2 * nvec; ++c) {
-          a[gi][c] = _mm256_fmadd_ps(w, load8(vr + 8 * c), a[gi][c]);
+        for (int64_t c = 0; c < kW; ++c) a[gi][c] = _mm256_setzero_ps();
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        if (first_pass && t + kPrefetch < n) {
+          prefetch_row(vh + slots[t + kPrefetch] * row, row_bytes);
+        }
+        const T* vr = vh + slots[t] * row + 8 * c0;
+        for (int64_t gi = 0; gi < kHeads; ++gi) {
+          const __m256 w = _mm256_set1_ps(gi < gn ? p[(g0 + gi) * n_pad + t] : 0.0f);
+          for (int64_t c = 0; c < kW; ++c) {
+            a[gi][c] = _mm256_fmadd_ps(w, load8(vr + 8 * c), a[gi][c]);
+          }
         }
       }
-    }
-    for (int64_t gi = 0; gi < gn; ++gi) {
-      for (int64_t c = 0; c < 2 * nvec; ++c) store8(a[gi][c], acc + (g0 + gi) * D + 8 * c);
+      for (int64_t gi = 0; gi < gn; ++gi) {
+        for (int64_t c = 0; c < kW; ++c) {
+          store8(a[gi][c], acc + (g0 + gi) * D + 8 * (c0 + c));
+        }
+      }
     }
   }
   return;
@@ -447,12 +463,16 @@ void dispatch_head_dim(const Operands<T>& op, const std::vector<int64_t>& lens, 
                        int64_t out_stride) {
   // kHeads: query heads whose value accumulators fit in the registers at once (3 where the
   // group size is a multiple of 3, e.g. SmolLM2's 9/3, so that no pass carries an idle head).
-  // Without AVX-512 there are 16 registers of 8 floats: one head's accumulators of a 64-wide
-  // row take 8 of them, and more heads would spill them to the stack every key.
+  // Without AVX-512 there are 16 registers of 8 floats: the value pass then takes kHeads heads
+  // over part of the row at a time (see add_values_widened).
 #if defined(SGLANG_CPU_AVX2)
   switch (op.D) {
-    case 64: return run<64, 1, T>(op, lens, out, out_stride);
-    case 128: return run<128, 1, T>(op, lens, out, out_stride);
+    case 64:
+      if (op.G % 3 == 0) return run<64, 3, T>(op, lens, out, out_stride);
+      return run<64, 1, T>(op, lens, out, out_stride);
+    case 128:
+      if (op.G % 3 == 0) return run<128, 3, T>(op, lens, out, out_stride);
+      return run<128, 1, T>(op, lens, out, out_stride);
     default: return run<0, 1, T>(op, lens, out, out_stride);
   }
 #endif

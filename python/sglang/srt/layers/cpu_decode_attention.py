@@ -164,9 +164,9 @@ void add_values_widened(const Operands<T>& op, const T* vh, const int64_t* slots
   constexpr int64_t kVecs = kD ? kD / kLanes : kMaxVecs;
 #if defined(SGLANG_CPU_AVX2)
   // The same sums with 16 registers of 8 floats: kHeads heads at once over a window of kW
-  // 8-float columns (at most 12 accumulators; the V values are the FMAs' memory operands, read
-  // from L1 once per head), one pass over the V rows per window and group of heads; the V rows
-  // are prefetched in the first pass only. Each sum runs over t in order, as above.
+  // 8-float columns (at most 12 accumulators; with the kHeads weights and one V vector, all
+  // 16 registers), one pass over the V rows per window and group of heads; the V rows are
+  // prefetched in the first pass only. Each sum runs over t in order, as above.
   constexpr int64_t kW = kHeads == 1   ? (kD >= 64 ? 8 : 2)
                          : kHeads <= 3 ? (kD > 0 && kD % 32 == 0 ? 4 : 2)
                                        : 2;
@@ -185,11 +185,13 @@ void add_values_widened(const Operands<T>& op, const T* vh, const int64_t* slots
           prefetch_row(vh + slots[t + kPrefetch] * row, row_bytes);
         }
         const T* vr = vh + slots[t] * row + 8 * c0;
+        __m256 w[kHeads];
         for (int64_t gi = 0; gi < kHeads; ++gi) {
-          const __m256 w = _mm256_set1_ps(gi < gn ? p[(g0 + gi) * n_pad + t] : 0.0f);
-          for (int64_t c = 0; c < kW; ++c) {
-            a[gi][c] = _mm256_fmadd_ps(w, load8(vr + 8 * c), a[gi][c]);
-          }
+          w[gi] = _mm256_set1_ps(gi < gn ? p[(g0 + gi) * n_pad + t] : 0.0f);
+        }
+        for (int64_t c = 0; c < kW; ++c) {  // the sums, the weights and one V vector in registers
+          const __m256 v = load8(vr + 8 * c);
+          for (int64_t gi = 0; gi < kHeads; ++gi) a[gi][c] = _mm256_fmadd_ps(w[gi], v, a[gi][c]);
         }
       }
       for (int64_t gi = 0; gi < gn; ++gi) {

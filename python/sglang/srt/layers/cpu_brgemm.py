@@ -65,7 +65,13 @@ _CPP_SOURCE = r"""
 namespace {
 
 constexpr int64_t kRowChunk = ROW_CHUNK_VALUE;
-constexpr int64_t kKChunk = K_CHUNK_VALUE;  // float32 values of k per call (0: all of K)
+// float32 values of k per brgemm call, 0 for all of K: split on AVX2 hosts without AVX-512 only
+// (the build targets the host, -march=native).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr int64_t kKChunk = K_CHUNK_VALUE;
+#else
+constexpr int64_t kKChunk = 0;
+#endif
 
 // float32 -> bfloat16 bits, rounded to nearest even (finite values); a loop of these
 // vectorises.
@@ -79,11 +85,11 @@ inline uint16_t to_bf16_bits(float f) {
 // The columns [b0, b1) of the blocks: float32 straight into y (ldc = N), bias added after.
 void run_f32(const float* A, const float* B, const float* bias, float* Y, int64_t M, int64_t K,
              int64_t N, int64_t nb, int64_t b0, int64_t b1) {
+  const int64_t step = kKChunk > 0 ? kKChunk : K;
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
     const int64_t rows = std::min(kRowChunk, M - m0);
     for (int64_t b = b0; b < b1; ++b) {
       float* C = Y + m0 * N + b * nb;
-      const int64_t step = kKChunk > 0 ? kKChunk : K;
       for (int64_t k0 = 0; k0 < K; k0 += step) {  // each call after the first adds into C
         at::native::cpublas::brgemm(rows, nb, std::min(step, K - k0), K, nb, N, k0 > 0,
                                     A + m0 * K + k0, B + b * K * nb + k0 * nb, C, false);
@@ -160,17 +166,7 @@ at::Tensor blocked_linear(at::Tensor x, at::Tensor blocked,
   });
   return y;
 }
-"""
-
-
-def _source() -> str:
-    """The kernel's C++ with its chunk sizes: k split on AVX2 hosts without AVX-512 only."""
-    flags = cpu_flags()
-    k_chunk = K_CHUNK_AVX2 if " avx2" in flags and " avx512f" not in flags else 0
-    return _CPP_SOURCE.replace("ROW_CHUNK_VALUE", str(ROW_CHUNK)).replace(
-        "K_CHUNK_VALUE", str(k_chunk)
-    )
-
+""".replace("ROW_CHUNK_VALUE", str(ROW_CHUNK)).replace("K_CHUNK_VALUE", str(K_CHUNK_AVX2))
 
 _CPP_DECLARATION = (
     "at::Tensor blocked_linear(at::Tensor x, at::Tensor blocked, "
@@ -180,7 +176,7 @@ _CPP_DECLARATION = (
 _KERNEL = CpuKernel(
     "sglang_cpu_brgemm_linear",
     _CPP_DECLARATION,
-    _source(),
+    _CPP_SOURCE,
     ["blocked_linear"],
     "CPU brgemm linear kernel",
 )

@@ -25,7 +25,10 @@ AVX-512 or AVX2 (elsewhere :func:`load_kernel` returns False). On AVX2 without A
 and value loops hold 8-float halves in registers, the value accumulators of three query heads
 over half a 64-wide row per pass (12 of the 16 registers of 8 floats; 1.04-1.1x over one
 head's whole row per pass, the same sums): written with 16-float vectors alone GCC spilled
-them every key and selected lane by lane, and the kernel ran no faster than SDPA. In
+them every key and selected lane by lane, and the kernel ran no faster than SDPA. The
+softmax and the score reduction also take 8-float vectors there (with 16-float ones GCC kept
+the running max and sum in memory: 1.22x in cache, 1.03-1.09x in float32 and 1.06-1.16x in
+bfloat16 over DRAM, the same bits). In
 bfloat16 on a CPU with AVX512-BF16 the scores use ``vdpbf16ps`` (exact products, float32 sums)
 and so do the values, two keys at a time with the weights rounded to bfloat16, as SDPA's
 bfloat16 path rounds them; ``native_bf16=False`` takes the widened float32 path that other
@@ -58,17 +61,25 @@ constexpr int64_t kChunk = 512;    // keys per work item (see run; 1.15x over 25
 constexpr int64_t kPrefetch = 8;
 constexpr int64_t kPrefetchL2 = 32;
 
-// exp(x) for x <= 0: 2^n * e^r with n = round(x / ln 2) (rounded by adding and subtracting
-// 1.5 * 2^23), |r| <= ln 2 / 2, e^r by its Taylor polynomial of degree 6 (relative error
-// < 2e-7); x below -87 gives ~1.6e-38.
-inline f32x16 exp16(f32x16 x) {
-  x = max16(splat(-87.0f), x);  // x < -87 ? -87 : x
-  const f32x16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const f32x16 r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  const f32x16 p =
+// exp(x) for x <= 0, lane by lane: 2^n * e^r with n = round(x / ln 2) (rounded by adding and
+// subtracting 1.5 * 2^23), |r| <= ln 2 / 2, e^r by its Taylor polynomial of degree 6 (relative
+// error < 2e-7); x below -87 gives ~1.6e-38. V: f32x16, or __m256 on AVX2 hosts (the same
+// expression, so the same bits); I: the int32 vector of its width.
+inline f32x16 max_lanes(f32x16 a, f32x16 b) { return max16(a, b); }
+#if defined(SGLANG_CPU_AVX2)
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+inline __m256 max_lanes(__m256 a, __m256 b) { return _mm256_max_ps(a, b); }
+#endif
+
+template <typename V, typename I>
+inline V exp_lanes(V x) {
+  x = max_lanes(V{} - 87.0f, x);  // x < -87 ? -87 : x
+  const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const V r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  const V p =
       1.0f + r * (1.0f + r * (0.5f + r * (1.6666667e-1f + r * (4.1666668e-2f +
       r * (8.3333338e-3f + r * 1.3888889e-3f)))));
-  return p * (f32x16)((__builtin_convertvector(n, i32x16) + 127) << 23);
+  return p * (V)((__builtin_convertvector(n, I) + 127) << 23);
 }
 
 
@@ -94,12 +105,16 @@ struct Operands {
 };
 
 // The G lane-partial dot products of the key row kr with the queries (qf: as float32; qraw: as
-// given), stored at part + g * part_stride. With bfloat16 operands on a CPU with AVX512-BF16,
-// one instruction multiplies 32 bfloat16 pairs (exactly) and adds them into 16 float32 lanes;
+// given), stored at part + g * part_stride: 16 lanes, or on AVX2 hosts 8 (the sums of lanes j
+// and j + 8, the reduction's first step). With bfloat16 operands on a CPU with AVX512-BF16, one
+// instruction multiplies 32 bfloat16 pairs (exactly) and adds them into 16 float32 lanes;
 // elsewhere the row is widened to float32 and multiplied in float32 (the same products).
+// Always inlined: called once per key, and GCC stopped inlining it once the softmax moved into
+// its own function (0.8x).
 template <int kD, typename T>
-inline void key_partials(const Operands<T>& op, const float* qf, const T* qraw, const T* kr,
-                         float* part, int64_t part_stride) {
+__attribute__((always_inline)) inline void key_partials(const Operands<T>& op, const float* qf,
+                                                        const T* qraw, const T* kr, float* part,
+                                                        int64_t part_stride) {
   const int64_t G = op.G, D = kD ? kD : op.D;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, uint16_t> && kD > 0 && kD % 32 == 0) {
@@ -129,8 +144,8 @@ inline void key_partials(const Operands<T>& op, const float* qf, const T* qraw, 
       lo = _mm256_fmadd_ps(load8(qg + c * kLanes), kv8[2 * c], lo);
       hi = _mm256_fmadd_ps(load8(qg + c * kLanes + 8), kv8[2 * c + 1], hi);
     }
-    store8(lo, part + g * part_stride);
-    store8(hi, part + g * part_stride + 8);
+    // The two halves' sum, which the 16-lane reduction would take first (block_scores).
+    store8(_mm256_add_ps(lo, hi), part + g * part_stride);
   }
   return;
 #endif
@@ -300,6 +315,76 @@ void add_values(const Operands<T>& op, const T* vh, const int64_t* slots, int64_
   add_values_widened<kD, kHeads, T>(op, vh, slots, n, p, n_pad, acc);
 }
 
+// The scores of one block of 16 keys of one query head: out[j] = scale * (the sum of the
+// lanes of key j's partial vector at part + j * kLanes; see key_partials).
+inline void block_scores(const float* part, float scale, float* out) {
+#if defined(SGLANG_CPU_AVX2)
+  // Each key's two halves are already added; the 16-lane tree's last steps remain.
+  __m256 half[kKeyBlock];
+  for (int64_t j = 0; j < kKeyBlock; ++j) half[j] = load8(part + j * kLanes);
+  store8(sum_lanes8(half) * scale, out);
+  store8(sum_lanes8(half + 8) * scale, out + 8);
+#else
+  f32x16 vecs[kKeyBlock];
+  for (int64_t j = 0; j < kKeyBlock; ++j) vecs[j] = load16(part + j * kLanes);
+  store16(sum_lanes16(vecs) * scale, out);
+#endif
+}
+
+// In place over one head's scores s[0, n_pad): s[t] = exp(s[t] - max) for t < n, 0 after;
+// *m = the max over t < n, *l = the sum of the numerators (lanes summed in order 0..15).
+inline void softmax_numerators(float* s, int64_t n, int64_t n_pad, float* m, float* l) {
+#if defined(SGLANG_CPU_AVX2)
+  // Written with 16-float vectors, GCC kept the loop-carried max and sum in memory and moved
+  // them through general registers each step (a fifth of the kernel's time in a profile).
+  __m256 mv = _mm256_set1_ps(s[0]);
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(load8(s + t), mv);
+  float mx = mv[0];
+  for (int64_t w = 1; w < 8; ++w) mx = std::max(mx, mv[w]);
+  for (; t < n; ++t) mx = std::max(mx, s[t]);
+  __m256 sum_lo = _mm256_setzero_ps(), sum_hi = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n_pad; t += kLanes) {
+    __m256 lo = exp_lanes<__m256, i32x8>(load8(s + t) - mx);
+    __m256 hi = exp_lanes<__m256, i32x8>(load8(s + t + 8) - mx);
+    store8(lo, s + t);
+    store8(hi, s + t + 8);
+    if (t + kLanes > n) {
+      std::fill(s + n, s + t + kLanes, 0.0f);
+      lo = load8(s + t);
+      hi = load8(s + t + 8);
+    }
+    sum_lo += lo;
+    sum_hi += hi;
+  }
+  float total = 0.0f;
+  for (int64_t w = 0; w < 8; ++w) total += sum_lo[w];
+  for (int64_t w = 0; w < 8; ++w) total += sum_hi[w];
+#else
+  // The max over 16 lanes at a time, then across them: a scalar loop is one dependent
+  // max per key (a quarter of the kernel's time in a profile).
+  f32x16 mv = splat(s[0]);
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes) mv = max16(load16(s + t), mv);
+  float mx = mv[0];
+  for (int64_t w = 1; w < kLanes; ++w) mx = std::max(mx, mv[w]);
+  for (; t < n; ++t) mx = std::max(mx, s[t]);
+  f32x16 sum = splat(0.0f);
+  for (int64_t t = 0; t < n_pad; t += kLanes) {
+    f32x16 p = exp_lanes<f32x16, i32x16>(load16(s + t) - mx);
+    if (t + kLanes > n) {
+      for (int64_t w = n - t; w < kLanes; ++w) p[w] = 0.0f;
+    }
+    store16(p, s + t);
+    sum += p;
+  }
+  float total = 0.0f;
+  for (int64_t w = 0; w < kLanes; ++w) total += sum[w];
+#endif
+  *m = mx;
+  *l = total;
+}
+
 template <int kD, int64_t kHeads, typename T>
 void attend_chunk(const Operands<T>& op, int64_t b, int64_t h, int64_t t0, int64_t t1,
                   float* scratch, float* m, float* l, float* acc) {
@@ -338,40 +423,12 @@ void attend_chunk(const Operands<T>& op, int64_t b, int64_t h, int64_t t0, int64
       }
     }
     for (int64_t g = 0; g < G; ++g) {
-      f32x16 vecs[kKeyBlock];
-      for (int64_t j = 0; j < kKeyBlock; ++j) vecs[j] = load16(part + (g * kKeyBlock + j) * kLanes);
-      store16(sum_lanes16(vecs) * op.scale, scores + g * n_pad + tb);
+      block_scores(part + g * kKeyBlock * kLanes, op.scale, scores + g * n_pad + tb);
     }
   }
 
   // Softmax numerators over the real keys; the padding lanes become 0.
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * n_pad;
-    // The max over 16 lanes at a time, then across them: a scalar loop is one dependent
-    // max per key (a quarter of the kernel's time in a profile).
-    f32x16 mv = splat(sg[0]);
-    int64_t t = 0;
-    for (; t + kLanes <= n; t += kLanes) {
-      const f32x16 s = load16(sg + t);
-      mv = max16(s, mv);
-    }
-    float mx = mv[0];
-    for (int64_t w = 1; w < kLanes; ++w) mx = std::max(mx, mv[w]);
-    for (; t < n; ++t) mx = std::max(mx, sg[t]);
-    f32x16 sum = splat(0.0f);
-    for (int64_t t = 0; t < n_pad; t += kLanes) {
-      f32x16 p = exp16(load16(sg + t) - mx);
-      if (t + kLanes > n) {
-        for (int64_t w = n - t; w < kLanes; ++w) p[w] = 0.0f;
-      }
-      store16(p, sg + t);
-      sum += p;
-    }
-    float total = 0.0f;
-    for (int64_t w = 0; w < kLanes; ++w) total += sum[w];
-    m[g] = mx;
-    l[g] = total;
-  }
+  for (int64_t g = 0; g < G; ++g) softmax_numerators(scores + g * n_pad, n, n_pad, m + g, l + g);
 
   add_values<kD, kHeads, T>(op, vh, slots, n, scores, n_pad,
                             reinterpret_cast<uint16_t*>(scores + G * n_pad), acc);

@@ -1,6 +1,7 @@
 """The CPU linear kernels vs oneDNN's packed product, on SmolLM2-135M's 121 layer matrices
 (30 x QKV, O, gate/up, down, and the LM head): the brgemm kernel (layers/cpu_brgemm.py) at
-every row count, the small-batch kernel (layers/cpu_gemv.py) at up to 4 rows.
+every row count, the small-batch kernel (layers/cpu_gemv.py) at the rows it takes (1-4; on AVX2
+hosts without AVX-512, 1-16).
 
 Each measurement runs every matrix once, as a decode step does, so the weights stream from
 memory (they exceed the last-level cache). The variants are interleaved in one process and the
@@ -9,7 +10,7 @@ medians compared, so the ratios hold on a shared host even when absolute times d
     python benchmark/bench_small_linear.py [--repeats 9] [--rows 1 2 4 16 64] [--threads 1 2]
 
 Prints one line per (threads, dtype, rows): ms per step for each variant (``-`` where it does
-not apply: the small-batch kernel above 4 rows, bfloat16 brgemm blocks on a CPU without
+not apply: the small-batch kernel above the rows it takes, bfloat16 brgemm blocks on a CPU without
 AVX512-BF16 or with AMX), the weight read rate of the fastest in GB/s, and packed / variant.
 """
 
@@ -89,7 +90,7 @@ def main() -> None:
                 fns = {"packed": _step(packed_product, packed, inputs)}
                 if blocks:
                     fns["brgemm"] = _step(cpu_brgemm.blocked_linear, blocks, inputs)
-                if has_gemv and rows <= cpu_gemv.MAX_ROWS:
+                if has_gemv and rows <= cpu_gemv.max_rows():
                     plain = [(w, w.shape[1]) for w in weights]
                     fns["gemv"] = _step(cpu_gemv.small_linear, plain, inputs)
                 ms = _medians_ms(fns, args.repeats)

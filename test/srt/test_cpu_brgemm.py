@@ -14,7 +14,6 @@ import torch
 
 from sglang.srt.layers import cpu_brgemm, cpu_gemv
 from sglang.srt.layers.cpu_prepack import (
-    SMALL_BATCH_ROWS,
     PackedLinear,
     packed_linear_op,
     prepack_supported,
@@ -179,13 +178,14 @@ def test_packed_linear_takes_the_blocked_copy(
     packer = PackedLinear()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     blocked_rows = []
-    for rows in (1, 2, SMALL_BATCH_ROWS + 1, 70):
+    small = cpu_gemv.max_rows()
+    for rows in (1, 2, small, small + 1, 70):
         x = torch.randn(rows, 64).to(dtype)
         expected = _expected(x, weight, bias).to(dtype)
         torch.testing.assert_close(packer(x, weight, bias), expected, atol=tol, rtol=tol)
-        if rows > SMALL_BATCH_ROWS or not cpu_gemv.kernel_supports(x, weight, bias):
+        if not cpu_gemv.kernel_supports(x, weight, bias):
             blocked_rows.append(rows)
-    assert calls == blocked_rows and SMALL_BATCH_ROWS + 1 in calls and 70 in calls
+    assert calls == blocked_rows and small + 1 in calls and 70 in calls
     packed = packer.packed_weight(weight)
     nb = cpu_brgemm.column_block(96, torch.get_num_threads())
     assert nb is not None and packed is not None and packed.dim() > 2 and packer.blocked

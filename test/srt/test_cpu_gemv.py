@@ -1,5 +1,6 @@
 """The CPU small-batch linear kernel (layers/cpu_gemv.py) against a float64 product, and its
-use by the packed linear layers for one or two input rows."""
+use by the packed linear layers for small batches (1-4 rows; 5-16 too on AVX2 hosts, its tile
+path)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import torch
 from sglang.srt.layers import cpu_gemv
 from sglang.srt.layers.cpu_extension import avx2_host
 from sglang.srt.layers.cpu_prepack import (
-    SMALL_BATCH_ROWS,
     PackedLinear,
     native_bf16_supported,
     prepack_supported,
@@ -30,7 +30,8 @@ def kernel() -> None:
     assert cpu_gemv.load_kernel()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+# 5-16 rows: the tile path on AVX2 hosts (6-row groups and the rest), refused elsewhere.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 12, 16])
 @pytest.mark.parametrize("shape", [(50, 64), (960, 576), (7, 96)])  # N not a multiple of 16
 @pytest.mark.parametrize(
     ("dtype", "native_bf16"),
@@ -47,6 +48,12 @@ def test_matches_float64_product(
     # x as rows of a wider tensor (row stride > in_features), as a slice would hand it over
     x = torch.randn(rows, in_features + 8).to(dtype)[:, :in_features]
     bias = torch.randn(out_features).to(dtype) if with_bias else None
+    if rows > cpu_gemv.max_rows():  # a host without the tile path
+        assert cpu_gemv.max_rows() == cpu_gemv.MAX_ROWS
+        assert not cpu_gemv.kernel_supports(x, weight, bias)
+        with pytest.raises(RuntimeError, match=f"1 to {cpu_gemv.MAX_ROWS} rows"):
+            cpu_gemv.small_linear(x, weight, bias, native_bf16)
+        return
     assert cpu_gemv.kernel_supports(x, weight, bias)
     got = cpu_gemv.small_linear(x, weight, bias, native_bf16)
     expected = x.double() @ weight.double().T
@@ -59,9 +66,11 @@ def test_matches_float64_product(
         torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=8e-3)
 
 
-def test_result_independent_of_threads() -> None:
-    weight = torch.randn(3000, 576).bfloat16()
-    x = torch.randn(2, 576).bfloat16()
+@pytest.mark.parametrize("rows", [2, 11])
+def test_result_independent_of_threads(rows: int) -> None:
+    rows = min(rows, cpu_gemv.max_rows())
+    weight = torch.randn(3001, 576).bfloat16()
+    x = torch.randn(rows, 576).bfloat16()
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -73,15 +82,34 @@ def test_result_independent_of_threads() -> None:
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_independent_of_batch(dtype: torch.dtype) -> None:
+    """A row's result is the same bits whatever rows come with it, within each path: 1-4 rows
+    (lane partials) and 5 to max_rows() (tiles of 6 rows and a rest)."""
+    weight = torch.randn(101, 576).to(dtype)
+    x = torch.randn(cpu_gemv.max_rows(), 576).to(dtype)
+    paths = [range(1, cpu_gemv.MAX_ROWS + 1), range(cpu_gemv.MAX_ROWS + 1, len(x) + 1)]
+    for sizes in paths:
+        if not sizes:
+            continue
+        full = cpu_gemv.small_linear(x[: sizes[-1]], weight, None)
+        for m in sizes:
+            assert torch.equal(cpu_gemv.small_linear(x[:m], weight, None), full[:m]), m
+        for start in range(1, len(sizes)):  # the same rows later in the batch
+            part = cpu_gemv.small_linear(x[start : sizes[-1]], weight, None)
+            assert torch.equal(part, full[start:]), start
+
+
 def test_operands_out_of_contract() -> None:
     weight = torch.randn(16, 64)
-    assert not cpu_gemv.kernel_supports(torch.randn(5, 64), weight, None)  # too many rows
+    too_many = torch.randn(cpu_gemv.max_rows() + 1, 64)
+    assert not cpu_gemv.kernel_supports(too_many, weight, None)
     assert not cpu_gemv.kernel_supports(torch.randn(1, 64).bfloat16(), weight, None)  # dtypes
     assert not cpu_gemv.kernel_supports(torch.randn(1, 48), torch.randn(16, 48), None)  # K % 32
     assert not cpu_gemv.kernel_supports(torch.randn(1, 64).half(), weight.half(), None)
     assert not cpu_gemv.kernel_supports(torch.randn(1, 64), weight.T.contiguous().T, None)
-    with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        cpu_gemv.small_linear(torch.randn(5, 64), weight, None)
+    with pytest.raises(RuntimeError, match=f"1 to {cpu_gemv.max_rows()} rows"):
+        cpu_gemv.small_linear(too_many, weight, None)
 
 
 @pytest.mark.skipif(not prepack_supported(), reason="no oneDNN in this torch build")
@@ -89,19 +117,20 @@ def test_operands_out_of_contract() -> None:
 def test_packed_linear_uses_it_for_small_batches(
     dtype: torch.dtype, spy_rows: Callable[[Any, str], list[int]]
 ) -> None:
-    """Up to SMALL_BATCH_ROWS rows go through the kernel (on the live weight: an in-place
-    update is seen at once), more rows through the packed copy; both agree."""
+    """Up to max_rows() rows go through the kernel (on the live weight: an in-place update is
+    seen at once), more rows through the packed copy; both agree."""
     import sglang.srt.layers.cpu_prepack as cpu_prepack
 
     calls = spy_rows(cpu_prepack, "small_linear")
     weight = torch.randn(100, 64).to(dtype)
     packer = PackedLinear(upcast_bf16=not native_bf16_supported())  # as the model runner packs
-    x = torch.randn(SMALL_BATCH_ROWS + 1, 64).to(dtype)
+    most = cpu_gemv.max_rows()
+    x = torch.randn(most + 1, 64).to(dtype)
     full = packer(x, weight)
-    small = packer(x[:SMALL_BATCH_ROWS], weight)
-    assert calls == [SMALL_BATCH_ROWS]
+    small = packer(x[:most], weight)
+    assert calls == [most]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(small, full[:SMALL_BATCH_ROWS], atol=tol, rtol=tol)
+    torch.testing.assert_close(small, full[:most], atol=tol, rtol=tol)
     weight.mul_(2)
     torch.testing.assert_close(packer(x[:1], weight), 2 * small[:1], atol=tol, rtol=tol)
 

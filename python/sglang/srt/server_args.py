@@ -162,7 +162,8 @@ class ServerArgs:
         "On CPU, multiply by the weights as given instead of by copies packed once (the "
         "column blocks of the brgemm kernel, or oneDNN's blocked layout where that kernel does "
         "not take the weight), and without the C++ kernel that runs products of one to four "
-        "rows (batch-1 decode) at the memory's rate. The packed copies run the linear layers "
+        "rows (batch-1 decode; up to 16 on AVX2 hosts) at the memory's rate. The packed "
+        "copies run the linear layers "
         "1.3-2x faster and take as much memory again as the weights; the log states how much "
         "(see docs/performance.md).",
     )

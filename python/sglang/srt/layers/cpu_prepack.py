@@ -50,10 +50,11 @@ from sglang.srt.layers.linear import linear
 # and 256 rows alike on SmolLM2's shapes (a hint of 1 is up to 1.6x slower at 8-64 rows).
 _ROWS_HINT = 64
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-# Input rows up to which the small-batch kernel (layers/cpu_gemv.py, when built) replaces the
-# packed product: on SmolLM2's layers at 1-4 rows on an Emerald Rapids host, 1.3-1.4x oneDNN's
-# bfloat16 product (AMX there) and 0.97-1.08x the float32 brgemm kernel.
-SMALL_BATCH_ROWS = 4
+# The small-batch kernel (layers/cpu_gemv.py, when built) replaces the packed product up to
+# its max_rows() input rows: on SmolLM2's layers at 1-4 rows on an Emerald Rapids host,
+# 1.3-1.4x oneDNN's bfloat16 product (AMX there) and 0.97-1.08x the float32 brgemm kernel; at
+# 5-16 rows on an AVX2 host (its tile path), 1.05-1.4x the float32 brgemm kernel and 1.25-2.1x
+# the float32 copy a bfloat16 model's layers multiply there.
 
 
 def packed_product(
@@ -141,9 +142,9 @@ class PackedLinear:
             if self._packed is None or x.dtype != weight.dtype:
                 return linear(x, weight, bias)
             return packed_linear_op(x, self._packed, bias)
-        if x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS and kernel_supports(x, weight, bias):
-            # A row or two (batch-1 decode): the weight is read once whatever the layout, and
-            # this kernel streams it at the memory's rate (layers/cpu_gemv.py).
+        if kernel_supports(x, weight, bias):
+            # A few rows (small decode batches): the weight is read once whatever the layout,
+            # and this kernel streams it at the memory's rate (layers/cpu_gemv.py).
             return small_linear(x, weight, bias)
         packed = self.packed_weight(weight) if x.dtype == weight.dtype else None
         if packed is None:

@@ -28,8 +28,8 @@ from sglang.srt.layers.attention import get_attention_backend_class
 from sglang.srt.layers.batch_invariant import enable_batch_invariant_mode
 from sglang.srt.layers.cpu_extension import load_side_by_side
 from sglang.srt.layers.cpu_gemv import load_kernel as load_small_linear_kernel
+from sglang.srt.layers.cpu_gemv import max_rows as small_linear_max_rows
 from sglang.srt.layers.cpu_prepack import (
-    SMALL_BATCH_ROWS,
     PackedLinear,
     enable_cpu_weight_prepack,
     native_bf16_supported,
@@ -328,7 +328,7 @@ class ModelRunner:
                 "--cpu-bf16-linear bf16 on a CPU without native bfloat16 (no AVX512-BF16 or "
                 "AMX): oneDNN cannot pack bfloat16 weights here, so the linear layers above %d "
                 "rows use torch's emulated bfloat16 product (--cpu-bf16-linear auto is faster)",
-                SMALL_BATCH_ROWS,
+                small_linear_max_rows(),
             )
         packers = enable_cpu_weight_prepack(self.model, upcast_bf16=upcast)
         # The small-batch and brgemm kernels are loaded by now (_build_cpu_kernels): packing

@@ -27,8 +27,8 @@ over half a 64-wide row per pass (12 of the 16 registers of 8 floats; 1.04-1.1x 
 head's whole row per pass, the same sums): written with 16-float vectors alone GCC spilled
 them every key and selected lane by lane, and the kernel ran no faster than SDPA. The
 softmax and the score reduction also take 8-float vectors there (with 16-float ones GCC kept
-the running max and sum in memory: 1.22x in cache, 1.03-1.09x in float32 and 1.06-1.16x in
-bfloat16 over DRAM, the same bits). In
+the running max and sum in memory: 1.2-1.35x in cache, 1.02-1.07x in float32 and 1.08-1.29x
+in bfloat16 over DRAM, the same bits). In
 bfloat16 on a CPU with AVX512-BF16 the scores use ``vdpbf16ps`` (exact products, float32 sums)
 and so do the values, two keys at a time with the weights rounded to bfloat16, as SDPA's
 bfloat16 path rounds them; ``native_bf16=False`` takes the widened float32 path that other
@@ -61,16 +61,17 @@ constexpr int64_t kChunk = 512;    // keys per work item (see run; 1.15x over 25
 constexpr int64_t kPrefetch = 8;
 constexpr int64_t kPrefetchL2 = 32;
 
-// exp(x) for x <= 0, lane by lane: 2^n * e^r with n = round(x / ln 2) (rounded by adding and
-// subtracting 1.5 * 2^23), |r| <= ln 2 / 2, e^r by its Taylor polynomial of degree 6 (relative
-// error < 2e-7); x below -87 gives ~1.6e-38. V: f32x16, or __m256 on AVX2 hosts (the same
-// expression, so the same bits); I: the int32 vector of its width.
+// The lane-wise max of 16-float vectors, and of 8-float ones on AVX2 hosts.
 inline f32x16 max_lanes(f32x16 a, f32x16 b) { return max16(a, b); }
 #if defined(SGLANG_CPU_AVX2)
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 inline __m256 max_lanes(__m256 a, __m256 b) { return _mm256_max_ps(a, b); }
 #endif
 
+// exp(x) for x <= 0, lane by lane: 2^n * e^r with n = round(x / ln 2) (rounded by adding and
+// subtracting 1.5 * 2^23), |r| <= ln 2 / 2, e^r by its Taylor polynomial of degree 6 (relative
+// error < 2e-7); x below -87 gives ~1.6e-38. V: f32x16, or __m256 on AVX2 hosts (the same
+// expression, so the same bits); I: the int32 vector of its width.
 template <typename V, typename I>
 inline V exp_lanes(V x) {
   x = max_lanes(V{} - 87.0f, x);  // x < -87 ? -87 : x

@@ -101,6 +101,14 @@ inline float load1(uint16_t x) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+// One float32 value stored as float32, or as bfloat16 rounded to nearest even (as store16).
+inline void store1(float v, float* p) { *p = v; }
+inline void store1(float v, uint16_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *p = static_cast<uint16_t>(bits >> 16);
+}
 inline f32x16 splat(float x) { return f32x16{} + x; }
 
 // a > b ? a : b, lane by lane (b where either is NaN). Without AVX-512 GCC lowers a 16-float

@@ -179,14 +179,6 @@ inline float sum_lanes(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-inline void store1(float v, float* p) { *p = v; }
-inline void store1(float v, uint16_t* p) {  // to bfloat16, nearest even (as store16)
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *p = static_cast<uint16_t>(bits >> 16);
-}
-
 // y[i, j] (row stride N) for the kX rows of x and the kW weight rows at w (row stride K).
 template <int64_t kW, int64_t kX, typename T>
 inline void tile(const T* x, int64_t x_stride, const T* w, int64_t K, const T* bias, T* y,

@@ -99,12 +99,14 @@ def test_matches_sdpa(group: int, head_dim: int, dtype: torch.dtype, native_bf16
         torch.testing.assert_close(got.double(), expected, atol=1e-2, rtol=1.6e-2)
 
 
-def test_result_independent_of_threads_and_batch() -> None:
-    """A row's result is the same bits with 1 or 2 threads, alone or in a batch: the work is
-    split by length only."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_result_independent_of_threads_and_batch(dtype: torch.dtype) -> None:
+    """A row's result is the same bits with 1 or 2 threads, alone or in a batch: the keys are
+    split into chunks by length only, and the batch's 10 chunks are work items of all KV heads
+    (at least 4 per thread) where a row alone is computed by items of one KV head each."""
     assert load_kernel()
-    k_cache, v_cache, table, rows = _pool(LENS, 3, 64, torch.float32)
-    q = torch.randn(len(LENS), 9 * 64)
+    k_cache, v_cache, table, rows = _pool(LENS, 3, 64, dtype)
+    q = torch.randn(len(LENS), 9 * 64).to(dtype)
     lens = torch.tensor(LENS)
     threads = torch.get_num_threads()
     try:

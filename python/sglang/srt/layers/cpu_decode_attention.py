@@ -17,7 +17,7 @@ keys of one (request, KV head):
 A work item is one chunk of one request, for all its KV heads: each key's slot is read whole
 (the K rows of every KV head, front to back, then the V rows), which streams from memory
 1.05-1.15x faster than one KV head's 256 bytes of every slot (SmolLM2 in float32). Where that
-leaves fewer than 4 items per thread (small batches), an item takes one KV head instead. The
+leaves fewer than 2 items per thread (small batches), an item takes one KV head instead. The
 items are handed to torch's threads longest first, one at a time; the chunks of a request that
 has several are merged after (rescaled to their common max, then normalised). Each head's
 arithmetic is the same in either item shape and the split into chunks depends on the length
@@ -60,7 +60,9 @@ using namespace sglang_cpu;
 constexpr int64_t kKeyBlock = 16;   // keys scored together (one lane each after the reduction)
 constexpr int64_t kMaxVecs = 16;    // head dim <= 256
 constexpr int64_t kChunk = 512;    // keys per work item (see run; 1.15x over 256 at 60 x 350 keys)
-constexpr int64_t kItemsPerThread = 4;  // fewer chunks than this per thread: an item per KV head
+// Fewer chunks than this per thread: an item per KV head (2 rather than 4: 1.05-1.15x at 4-6
+// requests of 300 keys, where 4 chose items of one KV head).
+constexpr int64_t kItemsPerThread = 2;
 // Rows prefetched ahead, the slots being scattered: K rows kPrefetch keys ahead into L1 and
 // kPrefetchL2 ahead into L2; each V row into L2 as its K row is scored, so that the value pass
 // finds the chunk's V rows there (1.3-1.4x on a 60-request step of SmolLM2 over DRAM).

@@ -16,7 +16,7 @@ keys of one (request, KV head):
 
 A work item is one chunk of one request, for all its KV heads: each key's slot is read whole
 (the K rows of every KV head, front to back, then the V rows), which streams from memory
-1.05-1.15x faster than one KV head's 256 bytes of every slot (SmolLM2 in float32). Where that
+1.02-1.16x faster than one KV head's 256 bytes of every slot (SmolLM2, 16-64 requests). Where that
 leaves fewer than 2 items per thread (small batches), an item takes one KV head instead. The
 items are handed to torch's threads longest first, one at a time; the chunks of a request that
 has several are merged after (rescaled to their common max, then normalised). Each head's

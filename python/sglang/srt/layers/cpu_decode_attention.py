@@ -1,11 +1,11 @@
 """A paged C++ decode-attention kernel for CPU (``--disable-cpu-attention-kernel`` turns it off).
 
 Decode attention has one query token per request, so the work per (request, KV head) is tiny
-and SDPA's per-call overhead dominates; SDPA also needs each request's keys dense, which the
-pool does not hold them (decode steps interleave the requests' new slots). This kernel takes
+and SDPA's per-call overhead dominates; SDPA also needs each request's keys dense, and the
+pool does not hold them so (decode steps interleave the requests' new slots). This kernel takes
 one layer's pool buffers and each request's ``req_to_token`` row and reads every K and V row
 where it lies, once for all ``G = H / KVH`` query heads of its KV head. Per chunk of up to 512
-keys of one (request, KV head):
+keys of a request, for each KV head:
 
 1. scores ``s[g, t] = scale * q[g] . k[t]``: per key, G 16-lane partial dot products; per block
    of 16 keys, a shuffle tree turns the 16 partial vectors of a head into its 16 scores;

@@ -66,7 +66,7 @@ def cases(rows: int) -> dict[str, Callable[[], object]]:
     qk = torch.randn(rows, (HEADS + KV_HEADS) * HEAD_DIM, device=dev, dtype=dt)
     pos = torch.full((rows,), 300, device=dev)  # each token the 301st of its request
     rope = get_rope(HEAD_DIM, 100000.0, 8192).to(dev)
-    table = rope._cache_on(qk.device)
+    table = rope.cos_sin_table(qk.device)
     gate_up = torch.randn(rows, 2 * INTER, device=dev, dtype=dt)
     slots = 301 * rows + 64
     k_buf = torch.zeros(slots, KV_HEADS, HEAD_DIM, device=dev, dtype=dt)

@@ -72,7 +72,7 @@ def test_rope_equals_the_torch_ops(
     x = _rand(9, heads * head_dim, dtype=dtype)
     positions = torch.tensor([0, 1, 5, 17, 100, 511, 3, 3, 42], device=TEST_DEVICE)
     want = rope.rotate(positions, x)
-    got = fe.rope(x, positions, rope._cache_on(x.device), head_dim, rotary_dim)
+    got = fe.rope(x, positions, rope.cos_sin_table(x.device), head_dim, rotary_dim)
     _close(got, want, exact_fp32=True)  # no fused multiply-adds: the torch ops' roundings
 
 
@@ -113,7 +113,7 @@ def test_rope_store_kv_equals_rope_then_store(
     scattered slots, a pool of another dtype; the other slots untouched."""
     heads, kv_heads, num_tokens = 6, 2, 5
     rope = get_rope(head_dim, 10000.0, 512, None, rotary_dim / head_dim)
-    table = rope._cache_on(torch.device(TEST_DEVICE))
+    table = rope.cos_sin_table(torch.device(TEST_DEVICE))
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     qkv = _rand(num_tokens, q_size + 2 * kv_size, dtype=model_dtype)
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)

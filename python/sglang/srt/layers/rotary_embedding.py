@@ -153,7 +153,9 @@ class RotaryEmbedding(nn.Module):
         # Set by the model runner on CUDA: the Triton kernel (sgl_kernel.fused_elementwise).
         self.use_triton_fused_ops = False
 
-    def _cache_on(self, device: torch.device) -> torch.Tensor:
+    def cos_sin_table(self, device: torch.device) -> torch.Tensor:
+        """The float32 ``[max_position, rotary_dim]`` table of cos (first half of a row) and
+        sin (second half) that the fused RoPE kernels take, moved to ``device`` once."""
         if self._cos_sin.device != device:
             self._cos_sin = self._cos_sin.to(device)
         return self._cos_sin
@@ -171,7 +173,7 @@ class RotaryEmbedding(nn.Module):
 
     def _gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[T, 1, rotary_dim/2]`` at ``positions``."""
-        cos_sin = self._cache_on(positions.device).index_select(0, positions)
+        cos_sin = self.cos_sin_table(positions.device).index_select(0, positions)
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
 
@@ -209,12 +211,12 @@ class RotaryEmbedding(nn.Module):
         pass; returns a new tensor. Same precondition as :meth:`forward`."""
         if positions.dtype == torch.int64:
             if self.use_cpu_fused_ops and cpu_fused_ops.supports(x):
-                table = self._cache_on(x.device)
+                table = self.cos_sin_table(x.device)
                 return cpu_fused_ops.rope(x, positions, table, self.head_dim, self.rotary_dim)
             if self.use_triton_fused_ops and not torch.compiler.is_compiling():
                 from sgl_kernel import fused_elementwise  # triton: loaded where it is used
 
-                table = self._cache_on(x.device)
+                table = self.cos_sin_table(x.device)
                 return fused_elementwise.rope(x, positions, table, self.head_dim, self.rotary_dim)
         cos, sin = self._cos_sin_at(positions)
         return self._rotate(x, cos, sin)
@@ -246,7 +248,7 @@ class RotaryEmbedding(nn.Module):
         layer, ~1 us of a ~1 ms batch-1 step on an H100). Only where :meth:`stores_kv`."""
         from sgl_kernel import fused_elementwise  # triton: loaded where it is used
 
-        table = self._cache_on(q.device)
+        table = self.cos_sin_table(q.device)
         return fused_elementwise.rope_store_kv(
             q, k, v, positions, table, self.head_dim, self.rotary_dim, k_buf, v_buf, loc
         )

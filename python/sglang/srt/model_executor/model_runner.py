@@ -51,6 +51,7 @@ from sglang.srt.model_executor.cuda_graph_runner import (
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.warmup import warm_up_cpu_memory
 from sglang.srt.model_loader import get_model
+from sglang.srt.models.llama_cpu_decode import LlamaCpuDecodeLoop
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.cpu_malloc import (
     FreedMemoryCap,
@@ -140,6 +141,8 @@ class ModelRunner:
         )
         # Inductor-compiled decoder layers (--enable-torch-compile; None when off).
         self.compiled_layers: CompiledDecoderLayers | None = None
+        # The flat CPU decode loop over the C++ kernels (None: the modules serve decode).
+        self.cpu_decode_loop: LlamaCpuDecodeLoop | None = None
         # The CPU serving path only: not the Triton interpreter (tests), nor deterministic
         # mode, whose backend is "torch_native_deterministic" and whose batch-invariant
         # products are not what serving speed is.
@@ -150,6 +153,7 @@ class ModelRunner:
         ):
             self._warm_up_cpu_memory()
         self._enable_torch_compile()
+        self.cpu_decode_loop = self._enable_cpu_decode_loop(backend)
         self.graph_runner = self._init_cuda_graphs()
         if self.graph_runner is not None:
             self.graph_runner.capture()
@@ -302,6 +306,29 @@ class ModelRunner:
         self.token_to_kv_pool.use_cpu_fused_ops = True
         logger.info("CPU fused elementwise kernels: %d modules and the KV store", len(modules))
 
+    def _enable_cpu_decode_loop(self, backend: str) -> LlamaCpuDecodeLoop | None:
+        """The decode loop of models/llama_cpu_decode.py where the C++ decode-attention
+        kernel serves decode, unless --disable-cpu-decode-loop, tensor parallelism, LoRA
+        (whose hooks are added after this) or the compiled layers; None (the module path)
+        there and where the model or its kernels do not fit it (logged)."""
+        args = self.server_args
+        if (
+            not self._cpu_attention_kernel_wanted(backend)
+            # the build failed: SDPA serves decode
+            or not getattr(self.attn_backend, "uses_cpu_kernel", False)
+            or args.disable_cpu_decode_loop
+            or self.tp_size > 1
+            or args.enable_lora
+            or self.compiled_layers is not None
+        ):
+            return None
+        reason = LlamaCpuDecodeLoop.unsupported_reason(self.model, self.token_to_kv_pool)
+        if reason is not None:
+            logger.info("CPU decode loop off (decode runs through the modules): %s", reason)
+            return None
+        logger.info("CPU decode loop: decode steps call the C++ kernels from one loop")
+        return LlamaCpuDecodeLoop(self.model, self.token_to_kv_pool)
+
     def _prepack_wanted(self) -> bool:
         """Packed weight copies (with the small-batch and brgemm kernels) serve CPU runs, not
         in deterministic mode nor with --disable-cpu-weight-prepack."""
@@ -391,6 +418,8 @@ class ModelRunner:
             self.compiled_layers.prepare(forward_batch)
         if self._malloc_cap is not None:
             self._malloc_cap.step()
+        if self.cpu_decode_loop is not None and self.cpu_decode_loop.applies(forward_batch):
+            return self.cpu_decode_loop.forward(forward_batch)
         return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     def cuda_graph_state(self) -> dict[str, Any]:

@@ -17,7 +17,8 @@ time (printed), which includes compiling them, is not counted in the throughput.
 
 ``--disable-cpu-attention-kernel`` runs the engine's decode attention with SDPA instead of the
 C++ kernel, ``--disable-cpu-fused-ops`` its norms, activation, RoPE and K/V store with torch
-ops instead of the fused C++ kernels, ``--disable-cpu-malloc-tuning`` with glibc's default
+ops instead of the fused C++ kernels, ``--disable-cpu-decode-loop`` its decode steps through
+the modules instead of the flat loop, ``--disable-cpu-malloc-tuning`` with glibc's default
 allocation policy (A/Bs of those; see docs/performance.md).
 
 ``--device cuda`` (the default when CUDA is available) runs the engine and the transformers
@@ -122,6 +123,7 @@ def run_engine(
         "enable_torch_compile": getattr(args, "enable_torch_compile", False),
         "disable_cpu_attention_kernel": getattr(args, "disable_cpu_attention_kernel", False),
         "disable_cpu_fused_ops": getattr(args, "disable_cpu_fused_ops", False),
+        "disable_cpu_decode_loop": getattr(args, "disable_cpu_decode_loop", False),
         "disable_cpu_malloc_tuning": getattr(args, "disable_cpu_malloc_tuning", False),
         "disable_cuda_graph": getattr(args, "disable_cuda_graph", False),
         "cuda_graph_max_bs": getattr(args, "cuda_graph_max_bs", None),
@@ -350,6 +352,11 @@ def main() -> None:
         "--disable-cpu-fused-ops",
         action="store_true",
         help="run the engine with --disable-cpu-fused-ops (torch ops for norms, RoPE, ...)",
+    )
+    parser.add_argument(
+        "--disable-cpu-decode-loop",
+        action="store_true",
+        help="run the engine with --disable-cpu-decode-loop (decode steps through the modules)",
     )
     parser.add_argument(
         "--disable-cpu-malloc-tuning",

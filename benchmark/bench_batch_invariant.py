@@ -28,15 +28,53 @@ def _time(fn: Callable[[], object], repeat: int, sync: Callable[[], None]) -> fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=576)
-    parser.add_argument("--intermediate", type=int, default=1536)
-    parser.add_argument("--heads", type=int, default=9)
-    parser.add_argument("--kv-heads", type=int, default=3)
-    parser.add_argument("--vocab", type=int, default=49152)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=576,
+        help="model hidden size: the linears' and RMSNorm's width; ignored on CPU "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--intermediate",
+        type=int,
+        default=1536,
+        help="MLP intermediate size (gate/up output, down input); ignored on CPU "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--heads",
+        type=int,
+        default=9,
+        help="query heads; head dim = hidden / heads (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--kv-heads",
+        type=int,
+        default=3,
+        help="key/value heads (grouped-query attention; also sizes the QKV linear) "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=49152,
+        help="vocabulary size: the LM head's output rows; ignored on CPU (default: %(default)s)",
+    )
     parser.add_argument("--context", type=int, default=1024, help="keys per request (attention)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["float32", "bfloat16"],
+        help="dtype of every operand (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=20,
+        help="timed calls per measurement, after one warm-up call; 1 on CPU (default: %(default)s)",
+    )
     args = parser.parse_args()
     import torch
 

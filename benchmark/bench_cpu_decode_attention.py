@@ -138,11 +138,35 @@ def bench(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--lens", type=int, nargs="+", default=[128, 512])
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=15,
+        help="timed rounds per variant and case; the medians are compared (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--batches",
+        type=int,
+        nargs="+",
+        default=[1, 16, 64],
+        help="batch sizes (requests per call), space-separated (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--lens",
+        type=int,
+        nargs="+",
+        default=[128, 512],
+        help="longest key count per request, space-separated; row lengths are drawn from "
+        "[0.8 len, len] (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="torch CPU thread counts to run at, space-separated (default: %(default)s)",
+    )
     args = parser.parse_args()
     if not load_kernel():
         raise SystemExit("the CPU decode-attention kernel could not be built")

@@ -55,12 +55,36 @@ def step_times(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model-path", required=True)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--num-requests", type=int, nargs="+", default=[1, 16, 48])
-    parser.add_argument("--min-input", type=int, default=250)
-    parser.add_argument("--max-input", type=int, default=450)
+    parser.add_argument("--model-path", required=True, help="model directory (Hugging Face layout)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="model dtype (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--num-requests",
+        type=int,
+        nargs="+",
+        default=[1, 16, 48],
+        help="requests decoding together, space-separated; a fresh scheduler for each "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--min-input",
+        type=int,
+        default=250,
+        help="shortest random prompt, tokens (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-input",
+        type=int,
+        default=450,
+        help="longest random prompt, tokens (default: %(default)s)",
+    )
     parser.add_argument("--steps", type=int, default=30, help="decode steps a round")
     parser.add_argument("--rounds", type=int, default=8, help="rounds, alternating the paths")
     args = parser.parse_args()

@@ -153,9 +153,20 @@ def workloads() -> list[tuple[str, list[int], list[int]]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=9,
+        help="timed rounds per variant and batch; the medians are compared (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="torch CPU thread counts to run at, space-separated (default: %(default)s)",
+    )
     args = parser.parse_args()
     if not load_kernel():
         raise SystemExit("the CPU prefill-attention kernel could not be built")

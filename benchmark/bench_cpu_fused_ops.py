@@ -81,9 +81,17 @@ def pieces(rows: int, dtype: torch.dtype) -> dict[str, tuple[Callable, Callable]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 2048])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].rstrip(":") + ".")
+    parser.add_argument(
+        "--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        default=[1, 64, 2048],
+        help="token rows per call, space-separated (default: %(default)s)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_fused_ops.load_kernel():

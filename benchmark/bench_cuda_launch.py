@@ -97,8 +97,14 @@ def cases(rows: int) -> dict[str, Callable[[], object]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 32, 512])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        default=[1, 32, 512],
+        help="token rows per op call, space-separated (default: %(default)s)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_cuda_launch.py needs a CUDA device")

@@ -16,8 +16,13 @@ from bench_offline_throughput import add_workload_args, make_workload, run_engin
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-path", required=True)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--model-path", required=True, help="model directory (Hugging Face layout)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the engine's dtype (default: %(default)s)",
+    )
     add_workload_args(parser)
     args = parser.parse_args()
 

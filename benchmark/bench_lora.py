@@ -86,13 +86,47 @@ def b_throughput(engine, paths: dict[str, str], prompts: list[list[int]], max_ne
 def main() -> None:
     import sglang as sgl
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="models/SmolLM2-135M-Instruct")
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--num-requests", type=int, default=16)
-    parser.add_argument("--max-new", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--update-every", type=float, default=2.0)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model",
+        default="models/SmolLM2-135M-Instruct",
+        help="model directory (Hugging Face layout); the random adapters are made for it "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--rank",
+        type=int,
+        default=16,
+        help="LoRA rank of the random adapters (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--num-requests",
+        type=int,
+        default=16,
+        help="requests per run; in the A and B runs each adapter gets half as many "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-new",
+        type=int,
+        default=64,
+        help="tokens generated per request (ignore_eos); twice as many in the A and B runs "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="runs of the base and of the mixed workload; the best throughput of each counts "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--update-every",
+        type=float,
+        default=2.0,
+        help="seconds between A's pause + reload + continue cycles (0: no updates) "
+        "(default: %(default)s)",
+    )
     parser.add_argument("--pause-mode", default="in_place",
                         help="how A pauses for its update: in_place keeps its KV, retract "
                         "re-prefills A's requests under the new weights")

@@ -145,18 +145,60 @@ def bench_projection(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda", choices=["cuda"])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
-    parser.add_argument("--hidden", type=int, default=576)
-    parser.add_argument("--intermediate", type=int, default=1536)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        choices=["cuda"],
+        help="device to run on (only cuda is supported)",
+    )
+    parser.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs="+",
+        default=[1, 64, 256],
+        help="rows per step (B), space-separated (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=576,
+        help="model hidden size (qkv and gate_up input, o and down output) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--intermediate",
+        type=int,
+        default=1536,
+        help="MLP intermediate size (gate and up output each, down input) (default: %(default)s)",
+    )
     parser.add_argument("--q-size", type=int, default=576, help="heads * head_dim")
     parser.add_argument("--kv-size", type=int, default=192, help="kv heads * head_dim")
-    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument(
+        "--rank",
+        type=int,
+        default=16,
+        help="the adapters' LoRA rank, at most --max-rank (default: %(default)s)",
+    )
     parser.add_argument("--max-rank", type=int, default=64, help="the slot pool's rank")
-    parser.add_argument("--num-adapters", type=int, default=4)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--num-adapters",
+        type=int,
+        default=4,
+        help="adapters in the pool, shared out among the step's requests (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["float32", "bfloat16"],
+        help="dtype of the weights and activations (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=7,
+        help="timing samples per path, after a warm-up round; the median is reported "
+        "(default: %(default)s)",
+    )
     parser.add_argument("--iters", type=int, default=20, help="calls per timing sample")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -178,13 +178,46 @@ def bench_verify(args: argparse.Namespace, batch: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
-    parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs="+",
+        default=[1, 64, 256],
+        help="rows (requests) per sampling step, space-separated (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=151936,
+        help="vocabulary size: columns of the random logits (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="dtype of the logits (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        choices=["cpu", "cuda"],
+        help="device of the logits and the sampler (default: cuda when available, else cpu)",
+    )
     parser.add_argument("--backend", default=None, help="pytorch or triton (default: by device)")
-    parser.add_argument("--entropy-mode", default="raw", choices=["raw", "scaled", "sampled"])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--entropy-mode",
+        default="raw",
+        choices=["raw", "scaled", "sampled"],
+        help="entropy definition of the with-entropy runs: raw (softmax of the logits), "
+        "scaled (after temperature) or sampled (over the truncated set) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed rounds per variant, median reported; a batch of B < 16 rows gets 16 // B "
+        "times as many (default: %(default)s)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     parser.add_argument(
         "--search-pivots",

@@ -181,26 +181,59 @@ def report(title: str, results: list[RequestResult], duration: float) -> float:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:30000")
+    parser.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:30000",
+        help="URL of the running server (default: %(default)s)",
+    )
     parser.add_argument(
         "--api",
         choices=("native", "openai"),
         default="native",
         help="native: POST /generate; openai: POST /v1/completions",
     )
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--input-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument(
+        "--api-key", default=None, help="the server's API key, sent as 'Authorization: Bearer KEY'"
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, default=32, help="requests to send (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--input-len",
+        type=int,
+        default=64,
+        help="prompt length, tokens (random ids) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--output-len",
+        type=int,
+        default=32,
+        help="tokens generated per request (ignore_eos) (default: %(default)s)",
+    )
     parser.add_argument(
         "--request-rate",
         type=float,
         default=float("inf"),
         help="requests per second (Poisson); inf sends all at once",
     )
-    parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="most requests in flight at once (default: no limit)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of every request (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the random prompts and the Poisson arrival gaps (default: %(default)s)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     parser.add_argument(
         "--compare-sequential",

@@ -54,10 +54,28 @@ def _step(product: Callable[..., torch.Tensor], operands: list, inputs: dict) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 16, 64, 128])
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=9,
+        help="timed rounds per variant (each one step over every matrix); medians compared "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        default=[1, 2, 3, 4, 16, 64, 128],
+        help="rows (tokens) of the input, space-separated (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="torch CPU thread counts to run at, space-separated (default: %(default)s)",
+    )
     args = parser.parse_args()
     has_gemv, has_brgemm = cpu_gemv.load_kernel(), cpu_brgemm.load_kernel()
     torch.manual_seed(0)

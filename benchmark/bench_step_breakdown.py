@@ -57,17 +57,60 @@ def batch_class(size: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model-path", required=True)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--min-input", type=int, default=20)
-    parser.add_argument("--max-input", type=int, default=400)
-    parser.add_argument("--min-output", type=int, default=32)
-    parser.add_argument("--max-output", type=int, default=256)
-    parser.add_argument("--profile-step", type=int, action="append", default=[])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", required=True, help="model directory (Hugging Face layout)")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["float32", "bfloat16"],
+        help="model dtype (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=64,
+        help="requests in the workload (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--min-input",
+        type=int,
+        default=20,
+        help="shortest prompt, tokens (lengths drawn uniformly) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-input", type=int, default=400, help="longest prompt, tokens (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--min-output",
+        type=int,
+        default=32,
+        help="fewest tokens a request generates (ignore_eos; drawn uniformly) "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-output",
+        type=int,
+        default=256,
+        help="most tokens a request generates (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--profile-step",
+        type=int,
+        action="append",
+        default=[],
+        help="also print torch.profiler's op table for this step of the workload (0-based, "
+        "warm-up not counted); repeatable",
+    )
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        choices=["cpu", "cuda"],
+        help="the engine's device (default: cuda when available, else cpu); cuda adds the batch-1 "
+        "decode timing",
+    )
     parser.add_argument(
         "--idle-steps", type=int, default=50, help="CUDA: batch-1 decode steps traced for gaps"
     )

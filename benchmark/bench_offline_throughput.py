@@ -1,11 +1,11 @@
-"""Offline throughput: sglang.Engine vs transformers' batched generate, same model and run.
+r"""Offline throughput: sglang.Engine vs transformers' batched generate, same model and run.
 
 A mixed workload (prompt and output lengths drawn uniformly, ``ignore_eos``, greedy) runs
 through both; the script prints output tokens/s for each and the ratio, then batch-1 decode
 tokens/s for each (the median of ``--batch1-runs`` timed runs of ``--batch1-tokens`` tokens
-from a 32-token prompt; one run alone moved by up to 30% between runs). Only the tokens each
-request asked for are counted (transformers decodes a batch until its longest request is done;
-the surplus is not counted).
+after the first prompt's first 32 tokens, or the whole prompt when shorter; one run alone
+moved by up to 30% between runs). Only the tokens each request asked for are counted
+(transformers decodes a batch until its longest request is done; the surplus is not counted).
 
     python benchmark/bench_offline_throughput.py --model-path models/SmolLM2-135M-Instruct
 
@@ -335,19 +335,52 @@ def compare_vllm(
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """The workload flags shared with bench_deterministic.py."""
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--min-input", type=int, default=20)
-    parser.add_argument("--max-input", type=int, default=400)
-    parser.add_argument("--min-output", type=int, default=32)
-    parser.add_argument("--max-output", type=int, default=256)
-    parser.add_argument("--batch1-tokens", type=int, default=128)
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=64,
+        help="requests in the workload (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--min-input",
+        type=int,
+        default=20,
+        help="shortest prompt, tokens (lengths drawn uniformly) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-input", type=int, default=400, help="longest prompt, tokens (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--min-output",
+        type=int,
+        default=32,
+        help="fewest tokens a request generates (ignore_eos; drawn uniformly) "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-output",
+        type=int,
+        default=256,
+        help="most tokens a request generates (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--batch1-tokens",
+        type=int,
+        default=128,
+        help="tokens generated per timed batch-1 decode run (default: %(default)s)",
+    )
     parser.add_argument(
         "--batch1-runs",
         type=int,
         default=3,
         help="batch-1 decode is timed this many times (each engine); the median is reported",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the workload's random prompt tokens and lengths (default: %(default)s)",
+    )
     parser.add_argument(
         "--attention-backend",
         default=None,
@@ -358,17 +391,33 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-path", required=True)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--model-path", required=True, help="model directory (Hugging Face layout)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="model dtype for the engine, transformers and vLLM (default: %(default)s)",
+    )
     parser.add_argument(
         "--device",
         default="cuda" if torch.cuda.is_available() else "cpu",
         choices=["cpu", "cuda"],
         help="the engine's and transformers' device (default: cuda when available, else cpu)",
     )
-    parser.add_argument("--threads", type=int, default=2, help="torch threads for transformers")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="CPU threads for transformers and for vLLM (its OpenMP threads, bound to cores "
+        "0..N-1); the engine uses torch's default, every core (default: %(default)s)",
+    )
     add_workload_args(parser)
-    parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument(
+        "--hf-batch-size",
+        type=int,
+        default=64,
+        help="requests per transformers generate() call (default: %(default)s)",
+    )
     parser.add_argument(
         "--deterministic",
         action="store_true",

@@ -29,12 +29,18 @@ async def _consume(engine: object, prompt: list[int], max_new: int, stamps: list
 
 async def _measure(engine: object, args: argparse.Namespace, mode: str) -> tuple[list, list]:
     stamps: list[float] = []
+    # As many tokens as the context leaves room for (more is a 400): the requests must not
+    # finish before the trials do; they end in the abort below.
+    room = args.context_length - args.prompt_len - 1
     tasks = [
-        asyncio.create_task(_consume(engine, [100 + i] * args.prompt_len, 100_000, stamps))
+        asyncio.create_task(_consume(engine, [100 + i] * args.prompt_len, room, stamps))
         for i in range(args.batch_size)
     ]
     pause_lat, resume_lat = [], []
     while len(stamps) < args.batch_size * 4:  # every request is decoding
+        failed = next((t for t in tasks if t.done()), None)
+        if failed is not None:
+            raise RuntimeError(f"a request ended before the trials: {failed.exception()!r}")
         await asyncio.sleep(0.01)
     for _ in range(args.trials):
         await asyncio.sleep(args.run_s)
@@ -80,14 +86,37 @@ async def _run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-path", required=True)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--context-length", type=int, default=8192)
-    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--model-path", required=True, help="model directory (Hugging Face layout)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=32,
+        help="streaming requests decoding while the engine is paused (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--prompt-len",
+        type=int,
+        default=128,
+        help="prompt length per request, tokens (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--context-length",
+        type=int,
+        default=8192,
+        help="the engine's context length, tokens (prompt + output) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--trials",
+        type=int,
+        default=10,
+        help="pause/continue cycles per mode (default: %(default)s)",
+    )
     parser.add_argument("--run-s", type=float, default=0.3, help="decode time between pauses")
     parser.add_argument("--hold-s", type=float, default=0.05, help="time spent paused")
-    asyncio.run(_run(parser.parse_args()))
+    args = parser.parse_args()
+    if not 1 <= args.prompt_len < args.context_length - 1:
+        parser.error("--prompt-len must be at least 1 and leave room in --context-length")
+    asyncio.run(_run(args))
 
 
 if __name__ == "__main__":

@@ -333,8 +333,9 @@ def compare_vllm(
         )
 
 
-def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    """The workload flags shared with bench_deterministic.py."""
+def add_workload_shape_args(parser: argparse.ArgumentParser) -> None:
+    """The flags that shape the workload (:func:`make_workload`) but its seed; shared with
+    bench_step_breakdown.py."""
     parser.add_argument(
         "--num-prompts",
         type=int,
@@ -363,6 +364,11 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
         default=256,
         help="most tokens a request generates (default: %(default)s)",
     )
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload flags shared with bench_deterministic.py."""
+    add_workload_shape_args(parser)
     parser.add_argument(
         "--batch1-tokens",
         type=int,

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_offline_throughput import make_workload
+from bench_offline_throughput import add_workload_shape_args, make_workload
 
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.schedule_batch import ForwardMode
@@ -68,34 +68,7 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)"
     )
-    parser.add_argument(
-        "--num-prompts",
-        type=int,
-        default=64,
-        help="requests in the workload (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--min-input",
-        type=int,
-        default=20,
-        help="shortest prompt, tokens (lengths drawn uniformly) (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-input", type=int, default=400, help="longest prompt, tokens (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--min-output",
-        type=int,
-        default=32,
-        help="fewest tokens a request generates (ignore_eos; drawn uniformly) "
-        "(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-output",
-        type=int,
-        default=256,
-        help="most tokens a request generates (default: %(default)s)",
-    )
+    add_workload_shape_args(parser)
     parser.add_argument(
         "--profile-step",
         type=int,

@@ -116,6 +116,10 @@ def main() -> None:
     args = parser.parse_args()
     if not 1 <= args.prompt_len < args.context_length - 1:
         parser.error("--prompt-len must be at least 1 and leave room in --context-length")
+    if args.batch_size < 1 or args.trials < 1:
+        parser.error("--batch-size and --trials must be at least 1")
+    if not all(0 <= t < 3600 for t in (args.run_s, args.hold_s)):  # NaN fails too
+        parser.error("--run-s and --hold-s must be seconds in [0, 3600)")
     asyncio.run(_run(args))
 
 

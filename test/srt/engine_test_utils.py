@@ -19,15 +19,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
-import torch
-from server_test_utils import HTTP, ServerProcess
+from server_test_utils import CUDA_POOL_TOKENS, HTTP, ServerProcess
 
 import sglang as sgl
 
 POLL_S = 0.005
-# On a GPU an engine sizes its KV pool from the free memory, so test modules run side by side
-# (pytest -n) would starve one another; a fixed pool lets them share the device.
-CUDA_POOL: dict[str, Any] = {"max_total_tokens": 65536} if torch.cuda.is_available() else {}
+# The engines' fixed KV pool on a GPU (see server_test_utils.CUDA_POOL_TOKENS).
+CUDA_POOL: dict[str, Any] = {"max_total_tokens": CUDA_POOL_TOKENS} if CUDA_POOL_TOKENS else {}
 # The requests the pause tests interrupt. They must still be running when a test's control call
 # lands, however loaded the host: four of them take ~1.3 s on the tiny model with 2 CPU cores
 # (400 tokens, 0.2 s, once finished before a loaded CI host saw them all running).

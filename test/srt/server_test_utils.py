@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 180.0
@@ -25,6 +26,10 @@ _PORT_ATTEMPTS = 3
 # loops (a starting server's /health every 0.2 s, on the cores it starts on) and the fuzz tests
 # paid on every call.
 HTTP = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
+# On a GPU an engine sizes its KV pool from the free memory, so test modules run side by side
+# (pytest -n) would starve one another; a fixed pool lets them share the device. Servers take it
+# unless their arguments name a pool size.
+CUDA_POOL_TOKENS: int | None = 65536 if torch.cuda.is_available() else None
 
 
 def process_alive(pid: int) -> bool:
@@ -55,6 +60,8 @@ class ServerProcess:
             sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
             *extra_args, *(["--api-key", api_key] if api_key else []),
         ]
+        if CUDA_POOL_TOKENS and not any(a.startswith("--max-total-tokens") for a in extra_args):
+            self.base_args += ["--max-total-tokens", str(CUDA_POOL_TOKENS)]
         self.port = 0
         self.url = ""
         self.log_path = Path(tempfile.mkdtemp(prefix="sglang-server-")) / "server.log"

@@ -7,6 +7,7 @@ checked on a GPU (test_cuda_graph_gpu.py)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -120,6 +121,14 @@ def test_padding_changes_no_token_and_no_logprob(
     _assert_same_steps(steps, deterministic)
 
 
+# CPU runners with the Triton attention backend: Triton's interpreter, which the test conftest
+# switches on only without a GPU. On a GPU, test_cuda_graph_gpu checks prefill graphs.
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU runners with Triton's interpreter"
+)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 def test_short_prefills_through_the_graphs_equal_eager_prefills(
     tiny_model_dir: Callable[..., Path], deterministic: bool
@@ -230,6 +239,7 @@ def _scheduler(model_dir: Path, graphs: bool) -> tuple[Scheduler, OutputSink]:
     return core, sink
 
 
+@needs_interpreter
 def test_scheduler_with_prefill_graphs_gives_the_bits_of_eager_prefills(
     tiny_model_dir: Callable[..., Path],
 ) -> None:

@@ -30,6 +30,7 @@ def engine(model_dir):
     """Overrides conftest's ``engine``: a small KV pool and entropy with every logprob."""
     with sgl.Engine(
         model_path=str(model_dir),
+        dtype="float32",  # transformers' float32 logits are the reference (auto is bf16 on CUDA)
         random_seed=0,
         max_total_tokens=8192,
         enable_entropy_with_logprobs=True,

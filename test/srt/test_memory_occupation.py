@@ -8,7 +8,6 @@ import pytest
 import requests
 import torch
 from engine_test_utils import (
-    CUDA_POOL,
     check_complete,
     engine_state,
     request_pool,
@@ -115,9 +114,7 @@ def test_unknown_tag_is_a_value_error(engine) -> None:
 
 
 def test_http_endpoints(tiny_model_dir) -> None:
-    # On CUDA the fixed pool of the engine tests, so that it shares the device with them.
-    pool = [f"--max-total-tokens={n}" for n in CUDA_POOL.values()]
-    with ServerProcess(tiny_model_dir("llama"), *pool) as server:
+    with ServerProcess(tiny_model_dir("llama")) as server:
         url = server.url
         bad = requests.post(f"{url}/release_memory_occupation", json={"tags": ["nope"]})
         assert bad.status_code == 400 and "unknown memory tag" in bad.json()["error"]["message"]

@@ -19,7 +19,8 @@ per search launch (docs/sampling.md), interleaved, next to the naive sequence: t
 from which the kernel's GPU pivot count was chosen. The results do not depend on the count.
 ``--verify-compare`` (triton backend) times ``trunc`` with the kernel's verification of the
 whole-row Gumbel-max (docs/sampling.md) on and off, interleaved, next to the naive sequence,
-and prints the share of rows it settled. The results are the same either way.
+and prints the share of rows it settled (the kernel's default verifies only batches of more
+than 4 rows on GPUs; this forces it on). The results are the same either way.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def bench_verify(args: argparse.Namespace, batch: int) -> str:
     plan = info.entropy_plan(args.entropy_mode, 0)
     on, off, naive = timed(
         [
-            lambda: kernel.sample_triton(logits, info, True, None, plan),
+            lambda: kernel.sample_triton(logits, info, True, None, plan, verify=True),
             lambda: kernel.sample_triton(logits, info, True, None, plan, verify=False),
             lambda: naive_step(logits, params),
         ],

@@ -216,7 +216,7 @@ def test_verification_settles_rows_without_changing_a_result(kernel, monkeypatch
     logits = on_device(torch.stack(rows))
     info = make_info(params, vocab, specs)
     plan = info.entropy_plan("raw", 0)
-    fast = kernel.sample_triton(logits, info, True, None, plan)
+    fast = kernel.sample_triton(logits, info, True, None, plan, verify=True)
     slow = kernel.sample_triton(logits, info, True, None, plan, verify=False)
     assert torch.equal(fast.next_token_ids, slow.next_token_ids)
     for got, ref in ((fast.logprobs, slow.logprobs), (fast.entropies, slow.entropies)):

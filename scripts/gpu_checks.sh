@@ -92,7 +92,9 @@ for p in $PARTS; do
     suites)
         part suites 300 python3 -m pytest -q -p no:cacheprovider --timeout 90 --tb=short \
             test/srt/test_engine_pause.py \
-            test/srt/test_memory_occupation.py test/srt/test_engine_determine_generation.py ;;
+            test/srt/test_memory_occupation.py test/srt/test_engine_determine_generation.py \
+            test/srt/test_overlap_schedule.py test/srt/test_entropy_e2e.py \
+            test/srt/test_http_pause.py ;;
     esac
 done
 grep -hE "^(sglang|vLLM|HF|ratio|cuda|B=|backend|[0-9]+ (passed|failed))|passed|failed|Error" \

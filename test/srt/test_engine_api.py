@@ -102,11 +102,36 @@ def test_logprob_formats(engine: sgl.Engine) -> None:
                zip(meta["output_top_logprobs"], rows))  # greedy picks the top-1 token
 
 
+def test_zero_new_tokens_gives_the_prompt_logprobs_only(engine: sgl.Engine) -> None:
+    """``max_new_tokens=0`` (upstream's prompt-scoring request): a prefill and no output, with
+    the prompt logprobs a generating request gets; the KV it used is given back."""
+    kwargs = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
+    full = engine.generate(input_ids=PROMPTS[1], sampling_params=GREEDY, **kwargs)["meta_info"]
+    used = engine_state(engine)["req_to_token_pool_used"]
+    out = engine.generate(input_ids=PROMPTS[1], sampling_params={"max_new_tokens": 0}, **kwargs)
+    meta = out["meta_info"]
+    assert out["output_ids"] == [] and out["text"] == ""
+    assert meta["finish_reason"] == {"type": "length", "length": 0}
+    assert meta["completion_tokens"] == 0 and meta["prompt_tokens"] == len(PROMPTS[1])
+    assert meta["output_token_logprobs"] == [] and meta["weight_versions"] == []
+    assert [r[1] for r in meta["input_token_logprobs"]] == PROMPTS[1]
+    got = [r[0] for r in meta["input_token_logprobs"][1:]]
+    assert got == pytest.approx([r[0] for r in full["input_token_logprobs"][1:]], abs=1e-5)
+    assert len(meta["input_top_logprobs"]) == len(PROMPTS[1])
+    assert engine_state(engine)["req_to_token_pool_used"] == used
+    stream = list(engine.generate(input_ids=PROMPTS[1], sampling_params={"max_new_tokens": 0},
+                                  stream=True))
+    assert stream[-1]["output_ids"] == [] and stream[-1]["meta_info"]["finish_reason"] == {
+        "type": "length", "length": 0}
+
+
 def test_validation_errors_reach_the_caller(engine: sgl.Engine) -> None:
     with pytest.raises(ValueError, match="out of range"):
         engine.generate(input_ids=[5, 10_000], sampling_params=GREEDY)
     with pytest.raises(ValueError, match="top_p"):
         engine.generate(input_ids=[5], sampling_params={"top_p": 2.0})
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate(input_ids=[5], sampling_params={"max_new_tokens": -1})
     with pytest.raises(ValueError):
         engine.generate()  # neither prompt nor input_ids
     assert len(engine.generate(input_ids=[5], sampling_params=GREEDY)["output_ids"]) == 6

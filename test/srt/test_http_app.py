@@ -516,7 +516,7 @@ def test_metrics(server: _Server) -> None:
         (json.dumps({"text": ""}).encode(), 400, "empty"),
         (json.dumps({"input_ids": []}).encode(), 400, "empty"),
         (
-            json.dumps({"text": "a", "sampling_params": {"max_new_tokens": 0}}).encode(),
+            json.dumps({"text": "a", "sampling_params": {"max_new_tokens": -1}}).encode(),
             400,
             "max_new_tokens",
         ),

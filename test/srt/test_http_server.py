@@ -94,6 +94,18 @@ def test_generate_text_ids_batch_logprobs(server: ServerProcess) -> None:
     assert ids["meta_info"]["id"] == "my-rid" and ids["meta_info"]["prompt_tokens"] == 3
 
 
+def test_zero_new_tokens_over_http(server: ServerProcess) -> None:
+    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True, "logprob_start_len": 0}
+    out = post(server, "/generate", body).json()
+    assert out["output_ids"] == [] and out["meta_info"]["completion_tokens"] == 0
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    logprobs = out["meta_info"]["input_token_logprobs"]
+    assert len(logprobs) == out["meta_info"]["prompt_tokens"] and logprobs[0][0] is None
+    chunks = _sse_payloads(post(server, "/generate", {**body, "stream": True}).content)
+    assert chunks[-1] == "[DONE]" and json.loads(chunks[-2])["output_ids"] == []
+
+
 def test_tokenize_and_detokenize(server: ServerProcess) -> None:
     prompt = "The capital of France is"
     for path in ("/tokenize", "/v1/tokenize"):
@@ -250,8 +262,6 @@ _BAD_GENERATE = [
     pytest.param({"sampling_params": GREEDY}, "text", id="missing-prompt"),
     pytest.param({"text": ""}, "empty", id="empty-text"),
     pytest.param({"input_ids": []}, "empty", id="empty-ids"),
-    pytest.param({"text": "a", "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens",
-                 id="zero-max-new-tokens"),
     pytest.param({"text": "a", "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens",
                  id="negative-max-new-tokens"),
     pytest.param({"text": "a", "sampling_params": {"temperature": -0.5}}, "temperature",
@@ -293,6 +303,10 @@ def test_openai_bad_input(client: openai.OpenAI, server: ServerProcess) -> None:
         client.completions.create(model="tiny", prompt="")
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model="tiny", prompt="x", max_tokens="ten")
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):  # 0 only natively
+        client.completions.create(model="tiny", prompt="x", max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="max_completion_tokens"):
+        client.chat.completions.create(model="tiny", messages=chat, max_completion_tokens=0)
     _assert_still_serving(server)
 
 

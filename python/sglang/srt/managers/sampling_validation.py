@@ -55,7 +55,7 @@ def _check_top_k(param: str, value: Any) -> None:
 
 # Rules that need no limit of the server.
 _RULES: dict[str, Callable[[str, Any], None]] = {
-    "max_new_tokens": _int(1, INT64_LIMIT),
+    "max_new_tokens": _int(0, INT64_LIMIT),
     "min_new_tokens": _int(0, INT64_LIMIT),
     "temperature": _number(0.0, MAX_TEMPERATURE),
     "top_p": _check_top_p,

@@ -51,7 +51,12 @@ class OutputProcessor:
                 continue
             if req.wants_input_logprobs:
                 req.input_logprobs_done = True
-            self._append_token(req, result, i)
+            if req.sampling_params.max_new_tokens == 0:
+                # A prompt-only request (prompt logprobs, a cache warm-up): the prefill is all
+                # it asked for, and the token sampled from its last position is dropped.
+                req.finished_reason = {"type": "length", "length": 0}
+            else:
+                self._append_token(req, result, i)
             done.append(req)
         return done
 

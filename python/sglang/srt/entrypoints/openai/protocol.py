@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 
 def new_id(prefix: str) -> str:
@@ -139,7 +139,8 @@ class CompletionRequest(SamplingExtras):
 
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    # At least 1, as OpenAI and upstream (the native API's max_new_tokens may be 0).
+    max_tokens: PositiveInt | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = 1
@@ -218,8 +219,8 @@ class ChatCompletionRequest(SamplingExtras):
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = 1

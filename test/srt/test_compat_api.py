@@ -72,17 +72,20 @@ def test_default_input_logprobs_are_upstreams_last_token_entry(server: ServerPro
     assert len(out["output_token_logprobs"]) == len(out["output_top_logprobs"]) == 3
 
 
-def test_first_prompt_position_has_none_top_logprobs(server: ServerProcess) -> None:
+@pytest.mark.parametrize("start", [0, 2, 3])
+def test_first_prompt_position_has_none_top_logprobs(server: ServerProcess, start: int) -> None:
+    """As upstream: one entry per prompt token from ``logprob_start_len``; the first one's
+    logprob is not computed (None), whatever the start."""
     ids = [5, 6, 7, 8]
     out = _post(server, "/generate", {
         "input_ids": ids, "sampling_params": GREEDY, "return_logprob": True,
-        "logprob_start_len": 0, "top_logprobs_num": 2,
+        "logprob_start_len": start, "top_logprobs_num": 2,
     }).json()["meta_info"]
-    assert [tid for _, tid, _ in out["input_token_logprobs"]] == ids
+    assert [tid for _, tid, _ in out["input_token_logprobs"]] == ids[start:]
     assert out["input_token_logprobs"][0][0] is None
     assert all(isinstance(lp, float) for lp, _, _ in out["input_token_logprobs"][1:])
     tops = out["input_top_logprobs"]
-    assert len(tops) == len(ids)
+    assert len(tops) == len(ids) - start
     assert tops[0] is None  # upstream: None, not an empty list
     assert all(len(top) == 2 for top in tops[1:])
 

@@ -115,9 +115,10 @@ def assert_prefill_logprobs_equal_decode(engine: sgl.Engine, prompt: list[int], 
         input_ids=prompt + ids,
         sampling_params={"max_new_tokens": 1},
         return_logprob=True,
-        logprob_start_len=len(prompt),
+        logprob_start_len=len(prompt) - 1,  # its entry is None (as upstream); then the ids
     )
-    prefill = out["meta_info"]["input_token_logprobs"]
+    first, *prefill = out["meta_info"]["input_token_logprobs"]
+    assert first[0] is None and first[1] == prompt[-1]
     assert [t for _, t, _ in prefill] == ids
     assert [lp for lp, _, _ in prefill] == logprobs  # bitwise
 
@@ -159,9 +160,9 @@ def test_smollm2_batch_and_decode_consistency(smollm2_dir) -> None:
             input_ids=target + alone[0],
             sampling_params={"max_new_tokens": 1},
             return_logprob=True,
-            logprob_start_len=len(target),
+            logprob_start_len=len(target) - 1,
         )
-        assert [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"]] == alone[1]
+        assert [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]] == alone[1]
 
 
 def test_bfloat16_batch_invariance_and_decode_consistency(tiny_model_dir) -> None:

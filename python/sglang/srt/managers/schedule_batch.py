@@ -167,11 +167,11 @@ class Req:
         """How much of ``fill_ids`` may come from the cache.
 
         At least one token is always computed (its logits give the next token); prompt logprobs
-        need the logits from position ``logprob_start_len - 1`` on.
+        need the logits from position ``logprob_start_len`` on.
         """
         limit = len(self.fill_ids) - 1
         if self.wants_input_logprobs:
-            limit = min(limit, max(self.logprob_start_len - 1, 0))
+            limit = min(limit, self.logprob_start_len)
         return limit
 
     # ---- finishing --------------------------------------------------------------------------
@@ -333,7 +333,7 @@ class ScheduleBatch:
         self.input_logprob_counts = [0] * len(self.reqs)
         for i, (r, start, end) in enumerate(zip(self.reqs, prefix_lens, seq_lens)):
             if r.wants_input_logprobs:
-                first = max(r.logprob_start_len - 1, start)
+                first = max(r.logprob_start_len, start)
                 last = min(r.prompt_len - 2, end - 1)  # inclusive
                 rows.extend(range(offset + first - start, offset + last - start + 1))
                 targets.extend(r.fill_ids[first + 1 : last + 2])

@@ -101,13 +101,13 @@ class OutputProcessor:
         self, req: Req, result: GenerationBatchResult, offset: int, num_rows: int
     ) -> None:
         if not req.input_token_logprobs_idx:  # first chunk carrying prompt logprobs
-            start = req.logprob_start_len
-            if start == 0:  # the first prompt token has no logprob
-                req.input_token_logprobs_val.append(None)
-                req.input_token_logprobs_idx.append(req.origin_input_ids[0])
-                if req.top_logprobs_num:
-                    req.input_top_logprobs_val.append([])
-                    req.input_top_logprobs_idx.append([])
+            # As upstream, the token at logprob_start_len has no logprob (None): the rows
+            # start at its position, which predicts the next token.
+            req.input_token_logprobs_val.append(None)
+            req.input_token_logprobs_idx.append(req.origin_input_ids[req.logprob_start_len])
+            if req.top_logprobs_num:
+                req.input_top_logprobs_val.append([])
+                req.input_top_logprobs_idx.append([])
         end = offset + num_rows
         req.input_token_logprobs_val.extend(_asked(result.input_token_logprobs)[offset:end])
         first_target = len(req.input_token_logprobs_idx) + req.logprob_start_len

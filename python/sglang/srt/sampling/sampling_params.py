@@ -14,7 +14,8 @@ _GREEDY_EPS = 1e-6
 class SamplingParams:
     """What a request asks of the sampler and of the stop conditions.
 
-    ``temperature == 0`` means greedy. ``top_k == -1`` disables top-k. ``sampling_seed`` makes
+    ``temperature == 0`` means greedy. ``top_k == -1`` disables top-k. ``max_new_tokens == 0``
+    asks for the prefill only (prompt logprobs; no output token). ``sampling_seed`` makes
     sampling reproducible: the noise depends only on (seed, absolute position, token id).
     """
 

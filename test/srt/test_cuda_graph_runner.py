@@ -7,14 +7,13 @@ checked on a GPU (test_cuda_graph_gpu.py)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from model_test_utils import RUNNER_SLOTS, BatchBuilder, make_runner
+from model_test_utils import RUNNER_SLOTS, TEST_DEVICE, BatchBuilder, make_runner
 from scheduler_test_utils import OutputSink, assert_no_leak, control, run_until_idle, submit
 
 from sglang.srt.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
@@ -124,7 +123,7 @@ def test_padding_changes_no_token_and_no_logprob(
 # CPU runners with the Triton attention backend: Triton's interpreter, which the test conftest
 # switches on only without a GPU. On a GPU, test_cuda_graph_gpu checks prefill graphs.
 needs_interpreter = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU runners with Triton's interpreter"
+    TEST_DEVICE != "cpu", reason="CPU runners with Triton's interpreter"
 )
 
 

@@ -125,6 +125,24 @@ def test_zero_new_tokens_gives_the_prompt_logprobs_only(engine: sgl.Engine) -> N
         "type": "length", "length": 0}
 
 
+def test_min_new_tokens_holds_back_stop_tokens_not_stop_strings(engine: sgl.Engine) -> None:
+    """As upstream: min_new_tokens masks the stop tokens only; a stop string ends the request
+    whenever it appears, and ignore_eos turns off stop_token_ids as well as the model's EOS."""
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    ids = engine.generate(input_ids=PROMPTS[1], sampling_params=params)["output_ids"]
+    decode = engine.tokenizer.decode
+    k = next(i for i in range(2, 10) if decode(ids[i : i + 1]).strip())
+    stop = decode(ids[k : k + 1]).strip()
+    first = next(n for n in range(1, 13) if stop in decode(ids[:n]))
+    out = engine.generate(input_ids=PROMPTS[1],
+                          sampling_params={**params, "min_new_tokens": 12, "stop": [stop]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["output_ids"] == ids[:first] and first < 12
+    held = engine.generate(input_ids=PROMPTS[1], sampling_params={
+        **params, "stop_token_ids": [ids[k]]})
+    assert held["output_ids"] == ids and held["meta_info"]["finish_reason"]["type"] == "length"
+
+
 def test_validation_errors_reach_the_caller(engine: sgl.Engine) -> None:
     with pytest.raises(ValueError, match="out of range"):
         engine.generate(input_ids=[5, 10_000], sampling_params=GREEDY)

@@ -270,12 +270,19 @@ def test_kv_too_small_aborts_and_releases_everything(model_dir: str) -> None:
 def test_stop_token_and_length(model_dir: str) -> None:
     core, _, sink = make_core(model_dir)
     expected = expected_output(PROMPTS["a"], MAX_NEW, core.model_config.vocab_size)
-    submit(core, "a", PROMPTS["a"], MAX_NEW, sampling={"stop_token_ids": [expected[3]]})
+    eos = core.model_config.eos_token_ids
+    assert not eos & set(expected)  # only the stop token can end "a" early
+    stop = {"stop_token_ids": [expected[3]]}
+    submit(core, "a", PROMPTS["a"], MAX_NEW, sampling={**stop, "ignore_eos": False})
     submit(core, "b", PROMPTS["b"], 3)
+    # ignore_eos turns off every token-based stop, stop_token_ids included (as upstream).
+    submit(core, "c", PROMPTS["a"], MAX_NEW, sampling={**stop, "ignore_eos": True})
     run_until_idle(core)
     first_stop = expected.index(expected[3])
     assert sink.by_rid["a"].finished_reasons == [{"type": "stop", "matched": expected[3]}]
     assert sink.by_rid["a"].output_ids == expected[: first_stop + 1]
+    assert sink.by_rid["c"].finished_reasons == [{"type": "length", "length": MAX_NEW}]
+    assert sink.by_rid["c"].output_ids == expected
     assert sink.by_rid["b"].finished_reasons == [{"type": "length", "length": 3}]
     assert_no_leak(core)
 

@@ -12,13 +12,14 @@ from sglang.srt.managers.schedule_batch import Req
 
 
 def make_req(recv: TokenizedGenerateReqInput, model_config: ModelConfig, random_seed: int) -> Req:
-    """The scheduler's view of ``recv``: its stop tokens (the model's EOS unless
-    ``ignore_eos``, plus the request's own) and its sampling seed (its own, else one derived
-    from ``--random-seed`` and the rid)."""
+    """The scheduler's view of ``recv``: its stop tokens (the model's EOS and the request's
+    ``stop_token_ids``; none with ``ignore_eos``, which turns off every token-based stop, as
+    upstream) and its sampling seed (its own, else one derived from ``--random-seed`` and the
+    rid)."""
     sp = recv.sampling_params
-    eos = set(sp.stop_token_ids or [])
+    eos: set[int] = set()
     if not sp.ignore_eos:
-        eos |= model_config.eos_token_ids
+        eos = set(sp.stop_token_ids or []) | model_config.eos_token_ids
     seed = sp.sampling_seed if sp.sampling_seed is not None else derive_seed(random_seed, recv.rid)
     return Req(
         rid=recv.rid,

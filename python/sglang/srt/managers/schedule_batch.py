@@ -184,10 +184,10 @@ class Req:
         if num_out >= sp.max_new_tokens:
             self.finished_reason = {"type": "length", "length": sp.max_new_tokens}
             return
-        if num_out < sp.min_new_tokens:
-            return
         last = self.output_ids[-1]
-        if last in self.eos_token_ids:
+        # min_new_tokens holds back token-based stops only (their logits are masked until
+        # then); stop strings end a request at any length, as upstream.
+        if num_out >= sp.min_new_tokens and last in self.eos_token_ids:
             self.finished_reason = {"type": "stop", "matched": last}
             return
         if sp.stop_strs and tokenizer is not None:

@@ -59,17 +59,22 @@ def test_features_we_lack_are_refused_not_ignored(server: ServerProcess) -> None
     assert _post(server, "/generate", body).status_code == 200
 
 
-def test_default_input_logprobs_are_upstreams_last_token_entry(server: ServerProcess) -> None:
+@pytest.mark.parametrize("start", [None, -1, 4])
+def test_default_input_logprobs_are_empty_as_upstream(
+    server: ServerProcess, start: int | None
+) -> None:
+    """Upstream 0.5.10: without logprob_start_len (or -1, or the prompt's length) a request
+    gets no prompt entries, only output logprobs."""
     ids = [5, 6, 7, 8]
-    out = _post(server, "/generate", {
-        "input_ids": ids, "sampling_params": GREEDY, "return_logprob": True,
-        "top_logprobs_num": 2, "return_text_in_logprobs": True,
-    }).json()["meta_info"]
-    # Upstream: logprob_start_len defaults to the last prompt token, whose logprob is None.
-    assert [[lp, tid] for lp, tid, _ in out["input_token_logprobs"]] == [[None, ids[-1]]]
-    assert isinstance(out["input_token_logprobs"][0][2], str)
-    assert out["input_top_logprobs"] == [None]
+    body = {"input_ids": ids, "sampling_params": GREEDY, "return_logprob": True,
+            "top_logprobs_num": 2, "return_text_in_logprobs": True}
+    if start is not None:
+        body["logprob_start_len"] = start
+    out = _post(server, "/generate", body).json()["meta_info"]
+    assert out["input_token_logprobs"] == [] and out["input_top_logprobs"] == []
     assert len(out["output_token_logprobs"]) == len(out["output_top_logprobs"]) == 3
+    too_far = {**body, "logprob_start_len": len(ids) + 1}
+    assert "logprob_start_len" in _error(_post(server, "/generate", too_far), 400)
 
 
 @pytest.mark.parametrize("start", [0, 2, 3])

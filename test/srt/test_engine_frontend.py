@@ -234,7 +234,7 @@ def tm(byte_tok_dir: str) -> TokenizerManager:
         ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
         ({"input_ids": [1], "sampling_params": {"bogus": 1}}, "bogus"),
         ({"input_ids": [1], "sampling_params": {"stop_token_ids": [999]}}, "stop_token_ids"),
-        ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2}, "logprob_start"),
+        ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 3}, "logprob_start"),
         ({"input_ids": [[1], [2]], "rid": ["x", "x"]}, "Duplicate"),
         ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params"),
     ],

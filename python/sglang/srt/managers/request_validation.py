@@ -163,9 +163,9 @@ def _check_logprob_args(
 ) -> None:
     if not isinstance(logprob_start_len, int) or logprob_start_len < -1:
         raise ValueError(f"logprob_start_len must be -1 or >= 0, got {logprob_start_len!r}")
-    if logprob_start_len >= prompt_len:
+    if logprob_start_len > prompt_len:
         raise ValueError(
-            f"logprob_start_len ({logprob_start_len}) must be smaller than the number of input "
+            f"logprob_start_len ({logprob_start_len}) must not exceed the number of input "
             f"tokens ({prompt_len})"
         )
     if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= vocab_size:

@@ -60,12 +60,6 @@ class ReqState:
         self.cached_tokens = 0
         self.retractions = 0
         self.logprobs: dict[str, list] = {key: [] for key in _LOGPROB_KEYS}
-        if req.return_logprob and req.logprob_start_len < 0:
-            # As upstream SGLang: without a logprob_start_len the prompt logprobs are those of
-            # the last prompt token only, whose logprob is not computed (None).
-            last_id = req.input_ids[-1]
-            self.logprobs["input_token_logprobs"] = [[None, last_id, self._texts([last_id])[0]]]
-            self.logprobs["input_top_logprobs"] = [None]
         self.entropy: list[float] = []
         # {"version", "start", "end"} runs over the output tokens, merged as increments arrive.
         self.weight_spans: list[dict[str, Any]] = []

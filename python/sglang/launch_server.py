@@ -4,9 +4,11 @@ Every flag comes from a field of :class:`ServerArgs` (``--help`` lists them). ``
 argument errors are handled before anything heavy (torch, the model) is imported. Values we
 accept but cannot honour (e.g. ``--tp-size 3 --nnodes 2``) exit with status 2 and a message
 naming the flag, like any other argparse error. Upstream SGLang's other flags are accepted too
-(hidden from ``--help``): see docs/compatibility.md for which ones are ignored and which are
-refused. With ``--node-rank`` > 0 (multi-node) the command runs that node's tensor-parallel
-ranks only, without HTTP, until they exit (docs/distributed.md).
+(hidden from ``--help``), as are upstream's spellings (``--tensor-parallel-size``) and backend
+names (``--attention-backend fa3`` falls back to this build's default): see
+docs/compatibility.md for which ones are ignored and which are refused. With ``--node-rank``
+> 0 (multi-node) the command runs that node's tensor-parallel ranks only, without HTTP, until
+they exit (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -16,18 +18,17 @@ import signal
 import sys
 
 from sglang.srt.server_args import ServerArgs
-from sglang.srt.server_args_upstream import add_upstream_cli_args, server_args_from_kwargs
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the server, generated from the ServerArgs fields."""
+    """The argument parser of the server, generated from the ServerArgs fields (upstream-only
+    ones hidden from ``--help``)."""
     parser = argparse.ArgumentParser(
         prog="python -m sglang.launch_server",
         description="Serve a language model with SGLang's native and OpenAI-compatible HTTP "
         "APIs.",
     )
     ServerArgs.add_cli_args(parser)
-    add_upstream_cli_args(parser)
     return parser
 
 
@@ -36,7 +37,7 @@ def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return server_args_from_kwargs(vars(args))
+        return ServerArgs.from_cli_args(args)
     except (TypeError, ValueError) as e:
         parser.error(str(e))
 

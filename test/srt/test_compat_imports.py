@@ -17,7 +17,7 @@ from packaging.version import Version
 
 import sglang
 from sglang.srt.server_args import prepare_server_args
-from sglang.srt.server_args_upstream import split_server_kwargs
+from sglang.srt.server_args_upstream import server_args_from_kwargs
 from sglang.srt.utils import (
     MultiprocessingSerializer,
     assert_pkg_version,
@@ -116,12 +116,14 @@ def test_set_prometheus_multiproc_dir(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_upstream_kwargs_ignored_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
-        ours = split_server_kwargs({
-            "model_path": "m", "mm_attention_backend": "fa3", "enable_memory_saver": True,
-            "custom_weight_loader": ["pkg.loader"], "moe_dp_size": 1, "quantization": None,
-            "json_model_override_args": "{}", "attention_backend": "fa3",
+        args = server_args_from_kwargs({
+            "model_path": "m", "device": "cpu", "mm_attention_backend": "fa3",
+            "enable_memory_saver": True, "custom_weight_loader": ["pkg.loader"], "moe_dp_size": 1,
+            "quantization": None, "json_model_override_args": "{}", "attention_backend": "fa3",
         })
-    assert ours == {"model_path": "m", "custom_weight_loader": ["pkg.loader"]}  # ours now
+    assert args.custom_weight_loader == ["pkg.loader"]
+    assert args.attention_backend == "torch_native"  # this build's default on CPU
+    assert args.enable_memory_saver is True  # read back as passed
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     for name in ("mm_attention_backend", "enable_memory_saver", "attention_backend"):
@@ -131,10 +133,10 @@ def test_upstream_kwargs_ignored_with_one_warning(caplog: pytest.LogCaptureFixtu
 
 def test_upstream_kwargs_that_change_results_are_refused() -> None:
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e5m2'.*quantization='fp8'"):
-        split_server_kwargs({"model_path": "m", "quantization": "fp8",
-                             "kv_cache_dtype": "fp8_e5m2"})
-    with pytest.raises(TypeError, match="no_such_option"):
-        split_server_kwargs({"model_path": "m", "no_such_option": 1})
+        server_args_from_kwargs({"model_path": "m", "quantization": "fp8",
+                                 "kv_cache_dtype": "fp8_e5m2"})
+    with pytest.raises(TypeError, match="no_such_option, other_unknown"):
+        server_args_from_kwargs({"model_path": "m", "no_such_option": 1, "other_unknown": 2})
 
 
 def test_prepare_server_args_takes_upstream_flags(capsys: pytest.CaptureFixture) -> None:

@@ -1,8 +1,11 @@
 """Server arguments: the single source of truth for every knob of the engine.
 
 The command line of ``python -m sglang.launch_server`` is generated from the fields of
-:class:`ServerArgs`: each field becomes ``--field-name`` with the help text from its metadata.
-``sglang.Engine(**kwargs)`` takes the same names as keyword arguments.
+:class:`ServerArgs`: each field becomes ``--field-name`` (or upstream's spelling, see
+:meth:`ServerArgs.add_cli_args`) with the help text from its metadata.
+``sglang.Engine(**kwargs)`` takes the same names as keyword arguments. Upstream SGLang's fields
+that this build does not implement are inherited from
+:class:`~sglang.srt.server_args_upstream.UpstreamOnlyArgs`, with the rules described there.
 """
 
 from __future__ import annotations
@@ -20,6 +23,13 @@ from typing import Any, Literal, get_args, get_origin
 
 from sglang.srt import environ
 from sglang.srt.managers.io_struct import DEFAULT_WEIGHT_VERSION, MAX_VERSION_LEN
+from sglang.srt.server_args_upstream import (
+    UPSTREAM_BACKENDS,
+    UPSTREAM_CLI_FLAGS,
+    UPSTREAM_ONLY_FIELDS,
+    UpstreamOnlyArgs,
+    upstream_default,
+)
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 _ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
@@ -38,11 +48,15 @@ def _arg(default: Any, help: str, **extra: Any) -> Any:
 
 
 @dataclass
-class ServerArgs:
+class ServerArgs(UpstreamOnlyArgs):
     """Every option of the server and of ``sglang.Engine``.
 
-    ``__post_init__`` resolves the automatic defaults (device, backends, seed) and rejects
-    values we cannot honour with a ``ValueError`` that names the option. Fields whose default
+    ``__post_init__`` first applies the rules for upstream SGLang's fields (inherited,
+    keyword-only; see :mod:`sglang.srt.server_args_upstream`: upstream defaults pass silently,
+    not-applicable ones are logged once, result-changing ones are a ValueError naming them,
+    unavailable upstream backends fall back), then resolves the automatic defaults (device,
+    backends, seed) and rejects values we cannot honour with a ``ValueError`` that names the
+    option. An unknown keyword is a TypeError (the dataclass ``__init__``). Fields whose default
     is None but whose type is not Optional (tokenizer_path, served_model_name, device,
     chunked_prefill_size, attention_backend, sampling_backend, random_seed) mean "resolve
     automatically": after construction they always hold a value, so readers need no None check.
@@ -145,13 +159,15 @@ class ServerArgs:
         None,
         "Attention kernel: torch_native (SDPA over gathered KV; the default on CPU) or triton "
         "(per-query paged Triton kernel, batch-invariant; the default on CUDA; on CPU only "
-        "with TRITON_INTERPRET=1). flashinfer is not built yet.",
+        "with TRITON_INTERPRET=1). flashinfer is not built yet. Upstream's other backends (fa3, "
+        "flashmla, ...) fall back to the default, with a warning.",
         choices=_ATTENTION_BACKENDS,
     )
     sampling_backend: str = _arg(
         None,
         "Sampler: pytorch (torch reference, default on CPU) or triton (fused kernel, default on "
-        "CUDA; on CPU only with TRITON_INTERPRET=1).",
+        "CUDA; on CPU only with TRITON_INTERPRET=1). Upstream's flashinfer falls back to the "
+        "default, with a warning.",
         choices=_SAMPLING_BACKENDS,
     )
     enable_deterministic_inference: bool = _arg(
@@ -413,6 +429,7 @@ class ServerArgs:
     )
 
     def __post_init__(self) -> None:
+        self._apply_upstream_rules()
         if not self.model_path:
             raise ValueError("model_path is required")
         self.model_path = os.path.expanduser(self.model_path)
@@ -586,7 +603,7 @@ class ServerArgs:
         """Every on/off field is a bool and every field with choices holds one of them (or
         None): the command line guarantees both, keyword arguments (Engine) do not."""
         hints = typing.get_type_hints(ServerArgs)
-        for f in dataclasses.fields(self):
+        for f in own_fields():
             value = getattr(self, f.name)
             flag = "--" + f.name.replace("_", "-")
             if hints[f.name] is bool and not isinstance(value, bool):
@@ -636,31 +653,54 @@ class ServerArgs:
     # ---- CLI generated from the fields -------------------------------------------------------
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Add one ``--flag`` per field, with its help, type, choices and aliases."""
+        """Register one ``parser.add_argument`` call per field, as upstream's ``add_cli_args``
+        does: the flags in upstream's spelling (:func:`cli_flags`; no explicit ``dest``, so
+        argparse derives upstream's from the first flag, e.g. ``tensor_parallel_size``), this
+        build's fields with their help, type, choices and default, upstream-only fields hidden
+        from ``--help`` with upstream's default (present in the namespace). A wrapper that
+        rewrites the flags of each call (slime's ``--sglang-`` prefix) gets the namespace it gets
+        from upstream; :meth:`from_cli_args` maps the dests back to the fields.
+        ``--attention-backend`` / ``--sampling-backend`` also take upstream's backend names,
+        which fall back to this build's default with a warning."""
         hints = typing.get_type_hints(ServerArgs)
         for f in dataclasses.fields(ServerArgs):
-            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
             kind = _scalar_type(hints[f.name])
-            kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata["help"]}
+            upstream = f.name in UPSTREAM_ONLY_FIELDS
+            default = upstream_default(f)
+            kwargs: dict[str, Any] = {
+                "default": default,
+                "help": argparse.SUPPRESS if upstream else f.metadata["help"],
+            }
             if kind is bool:
                 kwargs["action"] = "store_true"
             elif get_origin(kind) is list:
-                kwargs.update(type=get_args(kind)[0], nargs="*", default=f.default)
+                kwargs.update(type=_cli_type(get_args(kind)[0]), nargs="*")
             else:
-                kwargs["type"] = kind
-                kwargs["default"] = f.default
-                if "choices" in f.metadata:
-                    kwargs["choices"] = f.metadata["choices"]
+                kwargs["type"] = _cli_type(kind)
+                choices = f.metadata.get("choices")
+                if choices:
+                    kwargs["choices"] = (*choices, *sorted(UPSTREAM_BACKENDS.get(f.name, ())))
+                    kwargs["metavar"] = "{" + ",".join(choices) + "}"
                 if f.metadata.get("required"):
                     kwargs["required"] = True
-                elif f.default is not None:
-                    kwargs["help"] += f" (default: {f.default})"
-            parser.add_argument(*flags, **kwargs)
+                elif default is not None and not upstream:
+                    kwargs["help"] += f" (default: {default})"
+            parser.add_argument(*cli_flags(f), **kwargs)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        """ServerArgs from a namespace parsed with :meth:`add_cli_args`. Each field is read from
+        its flag's dest (``tensor_parallel_size`` -> ``tp_size``, as upstream maps it), else from
+        an attribute named as the field; a field with neither keeps its default, and other
+        attributes are ignored. Raises what the constructor raises."""
+        values = vars(args)
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            for name in (cli_dest(f), f.name):
+                if name in values:
+                    kwargs[f.name] = values[name]
+                    break
+        return cls(**kwargs)
 
     def resolved_load_balance_method(self) -> str:
         """The DP dispatch policy: upstream's 'auto' is round_robin."""
@@ -681,6 +721,31 @@ def prepare_server_args(argv: list[str]) -> ServerArgs:
     from sglang.launch_server import parse_server_args
 
     return parse_server_args(argv)
+
+
+def own_fields() -> tuple[dataclasses.Field, ...]:
+    """This build's ServerArgs fields (the documented, visible flags), without the upstream-only
+    ones it inherits."""
+    return tuple(f for f in dataclasses.fields(ServerArgs) if f.name not in UPSTREAM_ONLY_FIELDS)
+
+
+def cli_flags(f: dataclasses.Field) -> tuple[str, ...]:
+    """A field's command-line flags, upstream's first: ``--tensor-parallel-size --tp-size`` for
+    tp_size, ``--model-path --model``, else ``--field-name``."""
+    if f.name in UPSTREAM_CLI_FLAGS:
+        return UPSTREAM_CLI_FLAGS[f.name]
+    return ("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()))
+
+
+def cli_dest(f: dataclasses.Field) -> str:
+    """The namespace attribute argparse stores a field's flag in (from its first flag)."""
+    return cli_flags(f)[0][2:].replace("-", "_")
+
+
+def _cli_type(kind: Any) -> type:
+    """The argparse ``type`` for a value of ``kind``: int, float or str (str for anything else,
+    e.g. upstream's JSON-valued options)."""
+    return kind if kind in (int, float, str) else str
 
 
 def _scalar_type(hint: Any) -> type:

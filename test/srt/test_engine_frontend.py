@@ -199,8 +199,42 @@ def test_req_state_accumulates_logprobs_and_entropy(byte_tok) -> None:
     assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"][1]) == 2
     assert meta["output_token_entropy"] == [1.25, 0.5]
     assert meta["completion_tokens"] == 2 and meta["cached_tokens"] == 1
+    assert meta["output_token_logprobs_length"] == 2 and meta["reasoning_tokens"] == 0
     assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": 2}]
     assert running["output_ids"] == ids_a  # earlier snapshots are not mutated later
+
+
+def test_reasoning_tokens_count_up_to_the_think_end_token() -> None:
+    """meta_info["reasoning_tokens"] (upstream's): the output up to and including the first
+    reasoning-end token, all of it until that token comes; 0 without a reasoning parser."""
+    req = TokenizedGenerateReqInput(rid="r", input_text=None, input_ids=[5],
+                                    sampling_params=SamplingParams())
+    state = ReqState(req, asyncio.Event(), None, None, has_text=False, think_end_id=9)
+    state.apply(_str_msg("r", "", [4, 4, 4]), 0)
+    assert state.to_output()["meta_info"]["reasoning_tokens"] == 3
+    state.apply(_str_msg("r", "", [4, 9, 1, 9], completion=7), 0)
+    meta = state.to_output()["meta_info"]
+    assert meta["reasoning_tokens"] == 5 and "output_token_logprobs_length" not in meta
+    plain = ReqState(req, asyncio.Event(), None, None, has_text=False)
+    plain.apply(_str_msg("r", "", [9, 9]), 0)
+    assert plain.to_output()["meta_info"]["reasoning_tokens"] == 0
+
+
+def test_think_end_id_is_the_markers_token() -> None:
+    from sglang.srt.managers.tokenizer_manager import _think_end_id
+
+    vocab = {"<unk>": 0, "a": 1, "</think>": 2}
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+        unk_token="<unk>")
+    assert _think_end_id(tok, "qwen3") == 2 and _think_end_id(tok, None) is None
+    del vocab["</think>"]
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+        unk_token="<unk>")
+    assert _think_end_id(tok, "deepseek-r1") is None  # not one token: not counted
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        _think_end_id(tok, "nope")
 
 
 def test_req_state_without_text_options() -> None:

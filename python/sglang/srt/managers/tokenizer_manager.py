@@ -79,6 +79,7 @@ from sglang.srt.managers.tokenizer_req_state import (
     logprob_rows_in_slices,
 )
 from sglang.srt.managers.weights_update_group import WeightsUpdateGroups
+from sglang.srt.parser.reasoning_parser import think_end_token
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils import TypeBasedDispatcher, dumps, loads
 from sglang.srt.utils.multiprocessing_serializer import decode_named_tensors
@@ -149,6 +150,8 @@ class TokenizerManager:
             if server_args.skip_tokenizer_init
             else get_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
         )
+        # meta_info["reasoning_tokens"] counts the output up to this token (None: no parser).
+        self.think_end_id = _think_end_id(self.tokenizer, server_args.reasoning_parser)
         # Token id -> its text alone, for logprob entries: filled as ids are first asked for,
         # so it holds at most one string per vocabulary entry.
         self._token_texts: dict[int, str] = {}
@@ -261,7 +264,8 @@ class TokenizerManager:
         notify = asyncio.Event()
         decode_texts = self._text_decoder(obj.return_text_in_logprobs)
         states = [
-            ReqState(req, notify, parent, decode_texts, self.tokenizer is not None)
+            ReqState(req, notify, parent, decode_texts, self.tokenizer is not None,
+                     self.think_end_id)
             for req, parent in zip(reqs, parents)
         ]
         for state in states:
@@ -831,3 +835,15 @@ class TokenizerManager:
             assert self.tokenizer is not None, "texts asked for without a tokenizer"
             texts.update(zip(missing, self.tokenizer.batch_decode([[i] for i in missing])))
         return list(map(texts.__getitem__, ids))
+
+
+def _think_end_id(tokenizer: Any, reasoning_parser: str | None) -> int | None:
+    """The id of the token that ends ``reasoning_parser``'s reasoning, when the server has a
+    parser and the vocabulary holds that marker as one token (as upstream counts
+    ``reasoning_tokens``); else None."""
+    if tokenizer is None or reasoning_parser is None:
+        return None
+    marker = think_end_token(reasoning_parser)
+    token_id = tokenizer.convert_tokens_to_ids(marker)
+    unk = getattr(tokenizer, "unk_token_id", None)
+    return token_id if isinstance(token_id, int) and token_id != unk else None

@@ -41,6 +41,7 @@ class ReqState:
         parent_rid: str | None,
         decode_texts: Callable[[list[int]], list[str]] | None,
         has_text: bool,
+        think_end_id: int | None = None,
     ) -> None:
         self.rid = req.rid
         self.parent_rid = parent_rid
@@ -50,6 +51,7 @@ class ReqState:
         self.return_entropy = req.return_entropy
         self.decode_texts = decode_texts
         self.has_text = has_text
+        self.think_end_id = think_end_id
         self.created_time = time.perf_counter()
         self.finished_time: float | None = None
         self.finished_reason: dict[str, Any] | None = None
@@ -159,6 +161,16 @@ class ReqState:
             return [None] * len(ids)
         return list(self.decode_texts(ids))
 
+    def _reasoning_tokens(self) -> int:
+        """Output tokens up to and including the first reasoning-end token (all of them while
+        it has not come); 0 without a reasoning parser."""
+        if self.think_end_id is None:
+            return 0
+        try:
+            return self.output_ids.index(self.think_end_id) + 1
+        except ValueError:
+            return len(self.output_ids)
+
     def to_output(self) -> dict[str, Any]:
         """The caller's view: cumulative text/ids and meta_info (lists are copies)."""
         end_time = self.finished_time
@@ -168,6 +180,7 @@ class ReqState:
             "id": self.rid,
             "finish_reason": self.finished_reason,
             "prompt_tokens": self.prompt_tokens,
+            "reasoning_tokens": self._reasoning_tokens(),
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
             "e2e_latency": end_time - self.created_time,
@@ -181,6 +194,7 @@ class ReqState:
             for key in _LOGPROB_KEYS:
                 if not key.endswith("top_logprobs") or self.top_logprobs_num > 0:
                     meta[key] = list(self.logprobs[key])
+            meta["output_token_logprobs_length"] = len(self.logprobs["output_token_logprobs"])
         if self.return_entropy:
             meta["output_token_entropy"] = list(self.entropy)
         out: dict[str, Any] = {"text": self.text} if self.has_text else {}

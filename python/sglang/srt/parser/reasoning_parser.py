@@ -69,6 +69,13 @@ class ReasoningDetector:
         return reasoning, answer
 
 
+def think_end_token(model_type: str) -> str:
+    """The marker that ends the reasoning of ``model_type`` (ValueError for an unknown one)."""
+    if model_type not in _FORMATS:
+        raise ValueError(f"unknown reasoning parser {model_type!r}; supported: {sorted(_FORMATS)}")
+    return _FORMATS[model_type][1]
+
+
 class ReasoningParser:
     """Split reasoning from answer for ``model_type`` (one of :data:`_FORMATS`; ValueError
     otherwise). One parser per output: streaming keeps state across chunks."""

@@ -55,8 +55,48 @@ def test_features_we_lack_are_refused_not_ignored(server: ServerProcess) -> None
     body = {"text": "hi", "sampling_params": GREEDY, "token_ids_logprob": [1, 2]}
     assert "token_ids_logprob" in _error(_post(server, "/generate", body), 400)
     # Unset (null) upstream fields are accepted, as upstream clients send them.
-    body = {"text": "hi", "sampling_params": GREEDY, "image_data": None, "lora_path": None}
+    body = {"text": "hi", "sampling_params": GREEDY, "image_data": None, "lora_path": None,
+            "return_hidden_states": False, "routed_dp_rank": 0, "priority": 1,
+            "custom_labels": {"team": "rl"}}
     assert _post(server, "/generate", body).status_code == 200
+    for field, value in [("image_data", "a.png"), ("return_hidden_states", True),
+                         ("custom_logit_processor", "x"), ("return_bytes", True)]:
+        assert field in _error(_post(server, "/generate", {**body, field: value}), 400)
+    # Sampling keys of upstream's constrained decoding: null accepted, set refused by name.
+    nulls = {k: None for k in ("json_schema", "regex", "ebnf", "structural_tag", "logit_bias")}
+    ok = _post(server, "/generate", {"text": "hi", "sampling_params": {
+        **GREEDY, **nulls, "custom_params": {"return_top_p_token_ids": True}}})
+    assert ok.status_code == 200, ok.text
+    for key, value in [("json_schema", '{"type": "object"}'), ("regex", "a+"),
+                       ("logit_bias", {"5": 10.0})]:
+        body = {"text": "hi", "sampling_params": {**GREEDY, key: value}}
+        assert key in _error(_post(server, "/generate", body), 400)
+    body = {"text": "hi", "sampling_params": {**GREEDY, "custom_params": "x"}}
+    assert "custom_params" in _error(_post(server, "/generate", body), 400)
+    assert "bogus" in _error(_post(server, "/generate", {
+        "text": "hi", "sampling_params": {**GREEDY, "bogus": None}}), 400)
+
+
+def test_upstream_request_conveniences(server: ServerProcess) -> None:
+    """Upstream's nullable fields take null as the default; a batch's single rid is numbered
+    per prompt; PUT works as POST; stream_interval sets a stream's chunk size."""
+    body = {"input_ids": [5, 6, 7], "sampling_params": GREEDY, "return_logprob": None,
+            "logprob_start_len": None, "top_logprobs_num": None}
+    out = _post(server, "/generate", body)
+    assert out.status_code == 200 and "output_token_logprobs" not in out.json()["meta_info"]
+    batch = _post(server, "/generate", {"text": ["a", "b", "c"], "rid": "job",
+                                        "sampling_params": GREEDY}).json()
+    assert [o["meta_info"]["id"] for o in batch] == ["job_0", "job_1", "job_2"]
+    put = httpx.put(server.url + "/generate", json=body, timeout=60)
+    assert put.status_code == 200 and put.json()["output_ids"] == out.json()["output_ids"]
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    for interval, sizes in [(2, [1, 3, 5, 6]), (3, [1, 4, 6])]:
+        stream = _post(server, "/generate", {"input_ids": [5, 6, 7], "stream": True,
+                                             "sampling_params": {**params,
+                                                                 "stream_interval": interval}})
+        events = [json.loads(line[6:]) for line in stream.text.splitlines()
+                  if line.startswith("data: {")]
+        assert [len(e["output_ids"]) for e in events] == sizes
 
 
 @pytest.mark.parametrize("start", [None, -1, 4])

@@ -36,6 +36,10 @@ def test_upstream_keyword_arguments_left_unset_are_accepted(engine: sgl.Engine) 
         return_hidden_states=False, token_ids_logprob=None, data_parallel_rank=None,
     )
     assert out["output_ids"] == baseline["output_ids"]
+    # Routing and priority hints change nothing here (one replica, no priority scheduling).
+    hinted = engine.generate(input_ids=PROMPT, sampling_params=GREEDY, data_parallel_rank=0,
+                             routed_dp_rank=0, priority=0, external_trace_header={"x": "1"})
+    assert hinted["output_ids"] == baseline["output_ids"]
     batch = engine.generate(input_ids=[PROMPT, PROMPT], sampling_params=GREEDY,
                             image_data=[None, None], lora_path=[None, None])
     assert [o["output_ids"] for o in batch] == [baseline["output_ids"]] * 2

@@ -27,7 +27,7 @@ _SAMPLES: dict[Any, Any] = {
 
 
 # Fields whose sample must stay unset for the message to be valid (its own checks).
-_UNSET = {"GenerateReqInput": {"input_ids"}}
+_UNSET = {"GenerateReqInput": {"input_ids", *io_struct.UNSUPPORTED_GENERATE_FIELDS}}
 
 
 def _sample(tp: Any) -> Any:
@@ -73,3 +73,20 @@ def test_detokenizer_forwards_scheduler_replies_unchanged() -> None:
     reply = PauseGenerationReqOutput(success=True, mode="wait", num_waiting=2, req_id="r")
     forwarded = DetokenizerManager(None).forward_reply(loads(dumps(SchedulerReply(reply))))
     assert forwarded == reply
+
+
+def test_generate_req_input_takes_upstreams_fields() -> None:
+    """Code that builds upstream's GenerateReqInput (verl's server mode) runs: unset fields of
+    features this engine lacks are accepted, set ones refused by name; routing and metrics
+    hints accepted; upstream's nullable fields take their defaults."""
+    req = io_struct.GenerateReqInput(
+        rid="r", input_ids=[1, 2], sampling_params={}, return_logprob=None, image_data=None,
+        return_hidden_states=False, token_ids_logprob=None, data_parallel_rank=0, priority=3)
+    assert (req.return_logprob, req.logprob_start_len, req.top_logprobs_num) == (False, -1, 0)
+    batch = io_struct.GenerateReqInput(input_ids=[[1], [2]], rid="job",
+                                       return_logprob=[None, True])
+    batch.normalize_batch_and_arguments()
+    assert batch.rid == ["job_0", "job_1"] and batch.return_logprob == [False, True]
+    for name in ("image_data", "return_hidden_states", "custom_logit_processor"):
+        with pytest.raises(ValueError, match=name):
+            io_struct.GenerateReqInput(input_ids=[1], **{name: [None, "x"]})

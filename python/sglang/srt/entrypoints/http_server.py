@@ -81,12 +81,6 @@ WARMUP_TIMEOUT_S = 600.0
 _LOG_TEXT_CHARS = 200
 
 router = APIRouter()
-# SGLang /generate fields for features this engine does not have (refused when truthy).
-_UNSUPPORTED_GENERATE_FIELDS = frozenset({
-    "image_data", "video_data", "audio_data", "input_embeds", "lora_id",
-    "custom_logit_processor", "return_hidden_states", "session_params", "token_ids_logprob",
-    "return_routed_experts", "bootstrap_host", "bootstrap_room",
-})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,8 +89,9 @@ _UNSUPPORTED_GENERATE_FIELDS = frozenset({
 class GenerateRequest(BaseModel):
     """Body of POST /generate: the JSON form of ``GenerateReqInput``.
 
-    Unknown keys are ignored, as SGLang does, except SGLang features we do not have: those are
-    refused when set, rather than silently giving a different result.
+    Unknown keys are ignored, as SGLang does, except SGLang features we do not have
+    (``io_struct.UNSUPPORTED_GENERATE_FIELDS``): those are refused when set, rather than
+    silently giving a different result. Upstream's nullable fields take null as the default.
     """
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
@@ -105,21 +100,17 @@ class GenerateRequest(BaseModel):
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
-    return_logprob: bool | list[bool] = False
-    logprob_start_len: int | list[int] = -1
-    top_logprobs_num: int | list[int] = 0
+    return_logprob: bool | list[bool | None] | None = False
+    logprob_start_len: int | list[int | None] | None = -1
+    top_logprobs_num: int | list[int | None] | None = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
     return_entropy: bool | list[bool] = False
     lora_path: str | list[str | None] | None = None  # LoRA adapter name(s) (docs/lora.md)
 
     def to_req_input(self) -> GenerateReqInput:
-        """The engine's request. Raises ValueError on an empty prompt or when not exactly one
-        of text / input_ids is given."""
-        unsupported = sorted(k for k, v in (self.model_extra or {}).items()
-                             if k in _UNSUPPORTED_GENERATE_FIELDS and v)
-        if unsupported:
-            raise ValueError(f"not supported by this server: {', '.join(unsupported)}")
+        """The engine's request. Raises ValueError on an empty prompt, when not exactly one
+        of text / input_ids is given, or for a set field of a feature this engine lacks."""
         names = {f.name for f in fields(GenerateReqInput)}
         obj = GenerateReqInput(**{k: v for k, v in self.model_dump().items() if k in names})
         given = obj.text if obj.text is not None else obj.input_ids
@@ -236,9 +227,10 @@ async def health_generate(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.post("/generate")
+@router.api_route("/generate", methods=["POST", "PUT"])
 async def generate(body: GenerateRequest, request: Request) -> Response:
-    """Generate for one prompt or a batch; SSE stream of cumulative outputs with ``stream``."""
+    """Generate for one prompt or a batch; SSE stream of cumulative outputs with ``stream``.
+    POST or PUT, as upstream."""
     state = request.app.state
     obj = body.to_req_input()
     state.observer.log_request("/generate", obj)

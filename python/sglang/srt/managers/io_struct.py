@@ -47,6 +47,37 @@ _PER_REQUEST_FIELDS = (
 )
 
 
+# Upstream GenerateReqInput fields for features this engine does not have (multimodal inputs,
+# hidden states, custom logit processors, sessions, disaggregation): None / False / empty is
+# accepted, as RL frameworks pass them unset; a set one is refused, never ignored.
+UNSUPPORTED_GENERATE_FIELDS = (
+    "input_embeds", "image_data", "video_data", "audio_data", "modalities", "token_ids_logprob",
+    "return_hidden_states", "return_routed_experts", "session_params", "lora_id",
+    "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+    "bootstrap_pair_key", "decode_tp_size", "require_reasoning", "background", "return_bytes",
+    "need_wait_for_mm_inputs", "num_items_assigned", "max_dynamic_patch", "min_dynamic_patch",
+    "image_max_dynamic_patch", "video_max_dynamic_patch",
+)
+# Upstream fields that do not change what is generated (data-parallel routing, priority without
+# priority scheduling, cache/routing keys, metrics labels, tracing): accepted and not used.
+IGNORED_GENERATE_FIELDS = (
+    "routed_dp_rank", "disagg_prefill_dp_rank", "data_parallel_rank", "priority",
+    "routed_experts_start_len", "conversation_id", "extra_key", "routing_key", "no_logs",
+    "custom_labels", "external_trace_header", "received_time",
+)
+# Fields upstream lets a client send as null, meaning the default.
+_NULLABLE_DEFAULTS: dict[str, Any] = {
+    "return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0,
+}
+
+
+def _is_set(value: Any) -> bool:
+    """Whether an upstream-only field asks for something (not None / False / 0 / empty)."""
+    if isinstance(value, (list, tuple, dict)):
+        return any(_is_set(v) for v in (value.values() if isinstance(value, dict) else value))
+    return value is not None and value is not False and value != 0 and value != ""
+
+
 @dataclass
 class GenerateReqInput:
     """A generate request as users send it: one prompt or a batch of prompts.
@@ -74,10 +105,58 @@ class GenerateReqInput:
     # The LoRA adapter (its name, as upstream) of each prompt; None: the base model.
     lora_path: str | list[str | None] | None = None
     log_metrics: bool = True
+    # Upstream's other fields (UNSUPPORTED_GENERATE_FIELDS: refused when set;
+    # IGNORED_GENERATE_FIELDS: accepted), so that code building upstream's request runs here.
+    input_embeds: Any = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    modalities: Any = None
+    token_ids_logprob: Any = None
+    return_hidden_states: Any = False
+    return_routed_experts: Any = False
+    session_params: Any = None
+    lora_id: Any = None
+    custom_logit_processor: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    bootstrap_pair_key: Any = None
+    decode_tp_size: Any = None
+    require_reasoning: Any = False
+    background: Any = False
+    return_bytes: Any = False
+    need_wait_for_mm_inputs: Any = None
+    num_items_assigned: Any = None
+    max_dynamic_patch: Any = None
+    min_dynamic_patch: Any = None
+    image_max_dynamic_patch: Any = None
+    video_max_dynamic_patch: Any = None
+    routed_dp_rank: Any = None
+    disagg_prefill_dp_rank: Any = None
+    data_parallel_rank: Any = None
+    priority: Any = None
+    routed_experts_start_len: Any = 0
+    conversation_id: Any = None
+    extra_key: Any = None
+    routing_key: Any = None
+    no_logs: Any = False
+    custom_labels: Any = None
+    external_trace_header: Any = None
+    received_time: Any = None
 
     def __post_init__(self) -> None:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("Exactly one of 'text' or 'input_ids' must be provided")
+        used = [name for name in UNSUPPORTED_GENERATE_FIELDS if _is_set(getattr(self, name))]
+        if used:
+            raise ValueError(f"not supported by this engine: {', '.join(used)}")
+        for name, default in _NULLABLE_DEFAULTS.items():
+            value = getattr(self, name)
+            if value is None:
+                setattr(self, name, default)
+            elif isinstance(value, list):
+                setattr(self, name, [default if v is None else v for v in value])
 
     @property
     def is_single(self) -> bool:
@@ -118,6 +197,8 @@ class GenerateReqInput:
             return
         if self.rid is None:
             self.rid = [_new_id() for _ in range(n)]
+        elif isinstance(self.rid, str):  # as upstream: one id per prompt, numbered
+            self.rid = [f"{self.rid}_{i}" for i in range(n)]
         elif not isinstance(self.rid, list) or len(self.rid) != n:
             raise ValueError("'rid' must be a list with one id per prompt")
         if self.sampling_params is None:

@@ -25,7 +25,10 @@ from sglang.srt.managers.field_checks import (
     describe,
 )
 from sglang.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
-from sglang.srt.managers.sampling_validation import check_sampling_params
+from sglang.srt.managers.sampling_validation import (
+    check_sampling_params,
+    engine_sampling_params,
+)
 from sglang.srt.sampling.sampling_batch_info import ENTROPY_MODES
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
@@ -104,7 +107,7 @@ def validate_request(
     raw_params = dict(_one(obj.sampling_params or {}, "sampling_params", dict))
     # None means "default" for every knob (OpenAI clients send explicit nulls), except that
     # max_new_tokens=None means: up to the context length.
-    params = {k: v for k, v in raw_params.items() if v is not None}
+    params = engine_sampling_params(raw_params)
     if "max_new_tokens" in raw_params and raw_params["max_new_tokens"] is None:
         params["max_new_tokens"] = limits.context_len - prompt_len
     sampling_params = SamplingParams.from_dict(params)
@@ -311,9 +314,10 @@ def _check_rids(rid: Any, num_prompts: int, is_batch: bool) -> None:
     if rid is None:
         return
     if not isinstance(rid, list):
-        if is_batch:
-            raise InvalidRequestError("rid", "must be a list with one id per prompt for a batch")
-        check_str("rid", rid, MAX_RID_LEN, min_len=1)
+        # A batch's single id is numbered per prompt (``rid_0``, ``rid_1``, ...), as upstream;
+        # the suffix must fit in the limit too.
+        suffix = len(f"_{num_prompts - 1}") if is_batch else 0
+        check_str("rid", rid, MAX_RID_LEN - suffix, min_len=1)
         return
     _check_per_prompt("rid", rid, num_prompts if is_batch else 1)
     for i, one in enumerate(rid):

@@ -47,6 +47,11 @@ def _check_top_p(param: str, value: Any) -> None:
         raise InvalidRequestError(param, "must be in (0, 1], got 0")
 
 
+def _check_dict(param: str, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise InvalidRequestError(param, f"must be a JSON object (a dict), got {describe(value)}")
+
+
 def _check_top_k(param: str, value: Any) -> None:
     check_int(param, value, -1, INT64_LIMIT)
     if value == 0:
@@ -69,10 +74,24 @@ _RULES: dict[str, Callable[[str, Any], None]] = {
     "spaces_between_special_tokens": check_bool,
     "no_stop_trim": check_bool,
     "sampling_seed": _int(-INT64_LIMIT, INT64_LIMIT),
+    "stream_interval": _int(1, INT64_LIMIT),
+    # Upstream reads it only for a custom logit processor (refused here): accepted, not used.
+    "custom_params": _check_dict,
 }
 # Keys whose rule depends on the server's limits (checked below).
 _LIMITED_KEYS = frozenset({"n", "stop", "stop_regex", "stop_token_ids"})
+# Upstream's constrained decoding and logit bias, which this engine does not have: null (or an
+# empty value) is accepted, as clients send them unset; a set one is refused by name.
+UNSUPPORTED_KEYS = frozenset({"json_schema", "regex", "ebnf", "structural_tag", "logit_bias"})
 KNOWN_KEYS = frozenset(_RULES) | _LIMITED_KEYS
+
+
+def engine_sampling_params(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` without the keys that change nothing here: nulls (the default),
+    ``custom_params`` and unset unsupported keys. A set unsupported key stays, so that
+    ``SamplingParams.from_dict`` refuses it on a path that skipped the checks above."""
+    return {k: v for k, v in params.items() if v is not None and k != "custom_params"
+            and not (k in UNSUPPORTED_KEYS and v in ("", {}, []))}
 
 
 def check_sampling_params(
@@ -87,9 +106,13 @@ def check_sampling_params(
     ``n`` (1 by default). ``max_n`` bounds ``n``; the stop limits bound ``stop``."""
     if not isinstance(params, dict):
         raise InvalidRequestError(param, f"must be a JSON object (a dict), got {describe(params)}")
-    unknown = sorted(str(k) for k in params if k not in KNOWN_KEYS)
+    unknown = sorted(str(k) for k in params if k not in KNOWN_KEYS | UNSUPPORTED_KEYS)
     if unknown:
         raise InvalidRequestError(param, f"unknown sampling parameter(s): {', '.join(unknown)}")
+    used = sorted(k for k in UNSUPPORTED_KEYS if k in engine_sampling_params(params))
+    if used:
+        raise InvalidRequestError(f"{param}.{used[0]}", "not supported by this engine "
+                                                        "(constrained decoding, logit bias)")
     for key, value in params.items():
         if value is not None and key in _RULES:
             _RULES[key](f"{param}.{key}", value)

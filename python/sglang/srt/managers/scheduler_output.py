@@ -127,7 +127,8 @@ class OutputProcessor:
         if not req.stream:
             return False
         unsent = len(req.output_ids) - req.num_sent_ids
-        return unsent >= self.stream_interval or (req.num_sent_ids == 0 and unsent > 0)
+        interval = req.sampling_params.stream_interval or self.stream_interval
+        return unsent >= interval or (req.num_sent_ids == 0 and unsent > 0)
 
     def stream(self, reqs: list[Req]) -> None:
         """Send the unsent part of each request's output in one BatchTokenIDOutput."""

@@ -37,6 +37,8 @@ class SamplingParams:
     no_stop_trim: bool = False
     sampling_seed: int | None = None
     n: int = 1
+    # Streamed requests: send output every this many tokens (None: --stream-interval).
+    stream_interval: int | None = None
     # Derived by normalize(): the stop strings and stop regexes as lists.
     stop_strs: list[str] = field(default_factory=list, repr=False)
     stop_regex_strs: list[str] = field(default_factory=list, repr=False)
@@ -91,6 +93,14 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.stream_interval is not None and (
+            isinstance(self.stream_interval, bool)
+            or not isinstance(self.stream_interval, int)
+            or self.stream_interval < 1
+        ):
+            raise ValueError(
+                f"stream_interval must be an integer >= 1, got {self.stream_interval!r}"
+            )
         if self.sampling_seed is not None and (
             not isinstance(self.sampling_seed, int) or isinstance(self.sampling_seed, bool)
         ):

@@ -38,6 +38,7 @@ from sglang.srt.entrypoints.engine_processes import (
     run_follower_node,
     start_engine_children,
 )
+from sglang.srt.entrypoints.EngineBase import EngineBase
 from sglang.srt.managers.io_struct import (
     ContinueGenerationReqInput,
     FlushCacheReqOutput,
@@ -199,12 +200,12 @@ def _install_sigterm_handler() -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
 
 
-class Engine:
-    """The in-process engine. ``Engine(**kwargs)`` takes :class:`ServerArgs` fields (or, as
-    upstream, ``Engine(server_args=ServerArgs(...))``) and upstream SGLang's other ServerArgs
-    keywords: one that does not apply to this build is ignored with one logged warning, one
-    that would change results is a ValueError naming it, an unknown name a TypeError
-    (docs/compatibility.md).
+class Engine(EngineBase):
+    """The in-process engine, an :class:`EngineBase` as upstream's. ``Engine(**kwargs)`` takes
+    :class:`ServerArgs` fields (or, as upstream, ``Engine(server_args=ServerArgs(...))``) and
+    upstream SGLang's other ServerArgs keywords: one that does not apply to this build is
+    ignored with one logged warning, one that would change results is a ValueError naming it,
+    an unknown name a TypeError (docs/compatibility.md).
 
     Public methods follow SGLang's ``Engine``. After :meth:`shutdown` (also run at exit, on
     SIGTERM unless a handler of the caller's takes it, see :func:`_on_sigterm`, and, best

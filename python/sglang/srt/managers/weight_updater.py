@@ -44,6 +44,7 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.memory_occupation import MemoryOccupation
 from sglang.srt.managers.weight_state import WeightState
+from sglang.srt.model_executor.model_runner import unwrap_local_serialized
 from sglang.srt.model_loader import weight_update as wu
 from sglang.srt.utils.multiprocessing_serializer import decode_named_tensors
 
@@ -308,12 +309,13 @@ class WeightUpdater:
 def rank_named_tensors(recv: UpdateWeightsFromTensorReqInput) -> list[tuple[str, Any]]:
     """The (name, full tensor) pairs this rank loads: entry ``tp_rank`` of upstream's
     per-rank ``serialized_named_tensors`` list (one entry per rank; with one rank, the first
-    of any non-empty list), else ``named_tensors`` (the same for every rank). ValueError for a
-    list of the wrong length or an entry that does not decode."""
+    of any non-empty list), else ``named_tensors`` (the same for every rank). Either way a
+    ``LocalSerializedTensor`` value becomes its payload for this rank. ValueError for a list
+    of the wrong length or an entry that does not decode."""
     serialized = recv.serialized_named_tensors
-    if serialized is None:
-        return list(recv.named_tensors)
     group = get_tp_group()
+    if serialized is None:
+        return unwrap_local_serialized(list(recv.named_tensors), group.rank)
     if not isinstance(serialized, list) or not serialized:
         raise ValueError("serialized_named_tensors must be a non-empty list")
     if group.world_size > 1 and len(serialized) != group.world_size:

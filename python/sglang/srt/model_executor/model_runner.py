@@ -12,7 +12,9 @@ scheduler, taking the same decisions, finds the same slots free.
 from __future__ import annotations
 
 import logging
+import pickle
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,12 +60,86 @@ from sglang.srt.utils.cpu_malloc import (
     keep_freed_memory,
     return_freed_memory,
 )
+from sglang.srt.utils.multiprocessing_serializer import MultiprocessingSerializer
 
 logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_FRACTION = 0.2
 _DEFAULT_CUDA_MEM_FRACTION = 0.85
 _MAX_DEFAULT_RUNNING_REQUESTS = 256
+
+
+@dataclass(repr=False)
+class LocalSerializedTensor:
+    """One tensor, serialized once per tensor-parallel rank (upstream's class, same field): the
+    value of a ``(name, value)`` pair given to ``update_weights_from_tensor`` in place of the
+    tensor. ``values[r]`` is a :class:`MultiprocessingSerializer` payload (bytes, or the base64
+    string of them) that rank ``r`` of the engine's TP group loads; with TP size 1 only
+    ``values[0]`` is read. ``sglang.srt.weight_sync.utils.update_weights`` builds these from
+    the payloads of a trainer's ranks.
+
+    ``values`` must be a list of bytes/str, whether constructed or unpickled (TypeError
+    otherwise): the engine's unpickler admits this class, so it must not carry anything else.
+    The payloads stay opaque until :meth:`get` decodes one with the same allowlist."""
+
+    values: list[bytes | str]
+
+    def __post_init__(self) -> None:
+        _check_payloads(self.values)
+
+    def __setstate__(self, state: object) -> None:
+        # Unpickling sets the fields here, not through __init__: payloads get the same check.
+        if not isinstance(state, dict) or set(state) != {"values"}:
+            raise TypeError("a LocalSerializedTensor's state must be {'values': [...]}")
+        _check_payloads(state["values"])
+        self.values = state["values"]
+
+    def __repr__(self) -> str:  # the payloads can be megabytes of tensor data
+        return f"LocalSerializedTensor(<{len(self.values)} payload(s)>)"
+
+    def get(self, rank: int) -> torch.Tensor:
+        """The tensor of TP rank ``rank``: ``values[rank]`` deserialized. ValueError when there
+        is no such entry or it does not decode to a tensor (a payload naming anything the
+        serializer's allowlist refuses among them, with the serializer's message)."""
+        if not 0 <= rank < len(self.values):
+            raise ValueError(
+                f"LocalSerializedTensor has {len(self.values)} payload(s); "
+                f"tensor-parallel rank {rank} needs one"
+            )
+        try:
+            tensor = MultiprocessingSerializer.deserialize(self.values[rank])
+        except (pickle.UnpicklingError, ValueError) as e:
+            raise ValueError(str(e)) from None
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(
+                f"LocalSerializedTensor payload {rank} holds a {type(tensor).__name__}, "
+                "not a tensor"
+            )
+        return tensor
+
+
+def _check_payloads(values: object) -> None:
+    ok = isinstance(values, list) and all(isinstance(v, (bytes, str)) for v in values)
+    if not ok:
+        raise TypeError("LocalSerializedTensor.values must be a list of bytes or str payloads")
+
+
+def unwrap_local_serialized(
+    named_tensors: list[tuple[str, Any]], tp_rank: int
+) -> list[tuple[str, Any]]:
+    """``named_tensors`` with every :class:`LocalSerializedTensor` value replaced by the tensor
+    of rank ``tp_rank`` (other values as they are; their own checks come later). Called where
+    a rank takes its tensors of an update, before validation. ValueError naming the tensor
+    when its payload is missing or refused."""
+    out: list[tuple[str, Any]] = []
+    for name, value in named_tensors:
+        if isinstance(value, LocalSerializedTensor):
+            try:
+                value = value.get(tp_rank)
+            except ValueError as e:
+                raise ValueError(f"tensor {name!r}: {e}") from None
+        out.append((name, value))
+    return out
 
 
 class ModelRunner:

@@ -6,9 +6,12 @@ travel as CUDA IPC handles (torch's reductions: no copy, the sender must keep th
 the update returned) while CPU tensors travel by value (their bytes are in the payload), which
 any process can rebuild, HTTP servers included.
 
-``deserialize`` unpickles with an allowlist: only tensors, dtypes, devices and plain Python
-containers and scalars can come out of a payload, so a crafted payload cannot run code through
-arbitrary classes. Anything else raises :class:`pickle.UnpicklingError` naming what it refused.
+``deserialize`` unpickles with an allowlist: only tensors, dtypes, devices, plain Python
+containers and scalars, and the two weight-sync dataclasses (flattened-bucket metadata,
+``LocalSerializedTensor``, whose state is checked and whose payloads go through this same
+allowlist when a rank loads one) can come out of a payload, so a crafted payload cannot run code
+through arbitrary classes. Anything else raises :class:`pickle.UnpicklingError` naming what it
+refused.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ _ALLOWED: dict[str, frozenset[str]] = {
     __name__: frozenset({"_rebuild_cpu_tensor"}),
     # The metadata entries of a load_format="flattened_bucket" payload (a plain dataclass).
     "sglang.srt.weight_sync.tensor_bucket": frozenset({"FlattenedTensorMetadata"}),
+    # Per-rank payloads (weight_sync.utils.update_weights): a dataclass whose state is checked
+    # to be a list of bytes/str, each deserialized with this allowlist only when a rank loads.
+    "sglang.srt.model_executor.model_runner": frozenset({"LocalSerializedTensor"}),
+    # CUDA tensors pickled after monkey_patch_torch_reductions (device named by UUID).
+    "sglang.srt.utils.patch_torch": frozenset({"_rebuild_cuda_tensor_modified"}),
 }
 
 
@@ -120,6 +128,7 @@ def decode_named_tensors(
     ``serialized_named_tensors`` (one entry per tensor-parallel rank). With
     ``load_format="flattened_bucket"`` the entry is a flattened bucket (``{"flattened_tensor",
     "metadata"}``, see ``sglang.srt.weight_sync.tensor_bucket``) and its tensors are rebuilt.
+    A ``LocalSerializedTensor`` value is replaced by its payload for rank ``tp_rank``.
     ValueError when the entry is missing, does not decode, or holds something else."""
     import torch
 
@@ -145,11 +154,19 @@ def decode_named_tensors(
         )
     if isinstance(named, dict):
         named = list(named.items())
-    ok = isinstance(named, list) and all(
-        isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str)
-        and isinstance(p[1], torch.Tensor) for p in named
+    pairs = isinstance(named, list) and all(
+        isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in named
     )
-    if not ok:
+    if pairs and not all(isinstance(value, torch.Tensor) for _, value in named):
+        # LocalSerializedTensor values: this rank's own payload of each (model_runner imported
+        # only here; the unpickler already imported it for such a value).
+        from sglang.srt.model_executor.model_runner import unwrap_local_serialized
+
+        try:
+            named = unwrap_local_serialized([(name, value) for name, value in named], tp_rank)
+        except ValueError as e:
+            raise ValueError(f"serialized_named_tensors[{tp_rank}]: {e}") from None
+    if not (pairs and all(isinstance(value, torch.Tensor) for _, value in named)):
         raise ValueError(
             f"serialized_named_tensors[{tp_rank}] must hold a list of (name, tensor) pairs"
         )

@@ -228,3 +228,9 @@ def test_budget_past_the_context_is_refused(server: ServerProcess) -> None:
         "temperature": 0, "ignore_eos": True}})
     assert out.status_code == 200, out.text
     assert out.json()["meta_info"]["completion_tokens"] == 12
+
+
+def test_removed_weight_version_routes_say_where_it_went(server: ServerProcess) -> None:
+    for path in ("/get_weight_version", "/weight_version"):
+        response = httpx.get(server.url + path, timeout=30)
+        assert "/model_info" in _error(response, 404)

@@ -89,6 +89,7 @@ def test_get_model_info(engine: sgl.Engine, model_dir: Path) -> None:
         assert info["weight_version"] == "step-7"
         assert info["model_type"] == "llama" and info["architectures"] == ["LlamaForCausalLM"]
         assert info["preferred_sampling_params"] is None
+        assert engine.get_server_info()["weight_version"] == "step-7"  # as upstream: current
 
         async def run() -> dict:
             return await engine.async_get_model_info()

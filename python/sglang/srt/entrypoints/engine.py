@@ -40,6 +40,8 @@ from sglang.srt.entrypoints.engine_processes import (
 )
 from sglang.srt.entrypoints.EngineBase import EngineBase
 from sglang.srt.managers.io_struct import (
+    IGNORED_GENERATE_FIELDS,
+    UNSUPPORTED_GENERATE_FIELDS,
     ContinueGenerationReqInput,
     FlushCacheReqOutput,
     GenerateReqInput,
@@ -662,30 +664,17 @@ async def _continue(tm: TokenizerManager, lora_name: str | None = None) -> dict[
     )
 
 
-# Arguments of upstream SGLang's Engine.generate for features this engine does not have. RL
-# frameworks pass them unset (verl passes image_data=None); a set one is refused.
-_UPSTREAM_ONLY_ARGS = frozenset({
-    "image_data", "audio_data", "video_data", "token_ids_logprob",
-    "custom_logit_processor", "return_hidden_states", "bootstrap_host", "bootstrap_port",
-    "bootstrap_room", "data_parallel_rank", "external_trace_header", "session_params",
-    "priority", "return_routed_experts", "routed_dp_rank", "disagg_prefill_dp_rank",
-})
+# Upstream SGLang's Engine.generate arguments beyond this engine's own: passed on to
+# GenerateReqInput, which accepts them unset (verl passes image_data=None) and refuses a set
+# one for a feature this engine lacks.
+_UPSTREAM_ONLY_ARGS = frozenset(UNSUPPORTED_GENERATE_FIELDS + IGNORED_GENERATE_FIELDS)
 
 
 def _check_upstream_args(kwargs: dict[str, Any]) -> None:
-    """TypeError for an argument upstream does not know either; ValueError for a set one."""
+    """TypeError for an argument upstream does not know either."""
     unknown = sorted(set(kwargs) - _UPSTREAM_ONLY_ARGS)
     if unknown:
         raise TypeError(f"generate() got unexpected keyword argument(s): {', '.join(unknown)}")
-    used = sorted(k for k, v in kwargs.items() if _is_set(v))
-    if used:
-        raise ValueError(f"not supported by this engine: {', '.join(used)}")
-
-
-def _is_set(value: Any) -> bool:
-    if isinstance(value, (list, tuple)):
-        return any(_is_set(v) for v in value)
-    return value is not None and value is not False
 
 
 def _make_request(args: dict[str, Any]) -> GenerateReqInput:
@@ -705,6 +694,7 @@ def _make_request(args: dict[str, Any]) -> GenerateReqInput:
         entropy_mode=args["entropy_mode"],
         entropy_top_k=args["entropy_top_k"],
         lora_path=args.get("lora_path"),
+        **args["upstream_kwargs"],
     )
 
 

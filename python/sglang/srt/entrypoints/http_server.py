@@ -257,6 +257,14 @@ async def get_model_info(request: Request) -> Response:
     )
 
 
+@router.get("/get_weight_version")
+@router.get("/weight_version")
+async def weight_version() -> Response:
+    """Removed upstream before 0.5.10: a 404 that says where the version is now, as upstream."""
+    return error_response("Endpoint '/get_weight_version' or '/weight_version' is deprecated. "
+                          "Please use '/model_info' instead.", 404)
+
+
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> Response:
     """Server args (API key redacted), scheduler info, the schedulers' internal states."""
@@ -285,7 +293,7 @@ async def abort_request(body: AbortRequestBody, request: Request) -> Response:
         num = await _tm(request).abort_lora_requests(body.lora_name)  # type: ignore[attr-defined]
         return json_response(replies.abort_reply(num))
     if not body.rid and not body.abort_all:
-        raise ValueError("give a 'rid' to abort, 'lora_name', or 'abort_all': true")
+        return json_response(replies.abort_reply(0))  # nothing named: a no-op, as upstream
     num_aborted = await _tm(request).abort_request_async(
         body.rid, body.abort_all, body.match_prefix
     )

@@ -26,12 +26,15 @@ def server_info(
     internal_states: list[dict[str, Any]],
 ) -> dict[str, Any]:
     """``get_server_info``: the server arguments (API key redacted), the scheduler's ready
-    info, one internal state per scheduler, and the package version."""
+    info, one internal state per scheduler, and the package version. ``weight_version`` is
+    the current one (as upstream, whose updates rewrite that server argument)."""
     from sglang import __version__
 
     args = dict(server_args)
     if args.get("api_key"):
         args["api_key"] = "<redacted>"
+    if internal_states and internal_states[0].get("weight_version") is not None:
+        args["weight_version"] = internal_states[0]["weight_version"]
     return {
         **args,
         **scheduler_info,

@@ -60,8 +60,11 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) % VOCAB for c in text]
 
-    def decode(self, ids: list[int]) -> str:
-        return "".join(f"w{i} " for i in ids)
+    # Token 0 is the one special token (a BOS).
+    SPECIAL_IDS = frozenset({0})
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(f"w{i} " for i in ids if not (skip_special_tokens and i in self.SPECIAL_IDS))
 
     def apply_chat_template(
         self, messages: list[dict], tokenize: bool, add_generation_prompt: bool, **kwargs: Any

@@ -35,7 +35,11 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sglang.srt.entrypoints.openai.serving_base import error_response, status_of
+from sglang.srt.entrypoints.openai.serving_base import (
+    ClientDisconnected,
+    error_response,
+    status_of,
+)
 from sglang.srt.managers.tokenizer_manager import EnginePausedError
 
 logger = logging.getLogger(__name__)
@@ -44,6 +48,8 @@ logger = logging.getLogger(__name__)
 MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 # Retry-After (seconds) of a generate request refused while paused (--paused-admission reject).
 PAUSED_RETRY_S = 1
+# nginx's status for a client that closed its request before the answer: no one reads it.
+CLIENT_CLOSED_REQUEST = 499
 # Endpoints reachable without the API key.
 _PUBLIC_PATHS = frozenset({"/health"})
 # Endpoints that change the server's state: POST only, with a JSON body (or none).
@@ -236,7 +242,7 @@ def _body_refusal(path: str, headers: dict[str, str], messages: list[Message]) -
     try:
         orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        return error_response(f"Malformed JSON body: {e}", 400)
+        return error_response(f"Malformed JSON body: {e}", 400, path=path)
     return None
 
 
@@ -268,31 +274,40 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def add_error_handlers(app: FastAPI) -> None:
     """Every error as JSON: validation 400 (field named), HTTP errors with their status,
-    ValueError 400, RuntimeError (engine died) 503, anything else 500."""
+    ValueError 400, RuntimeError (engine died) 503, anything else 500; on /v1 paths with
+    upstream's top-level keys too (``error_body``). A client that went away before its first
+    output gets an empty 499, logged without a traceback."""
 
     async def on_validation(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         message, param = validation_message(exc)
-        return error_response(message, 400, param)
+        return error_response(message, 400, param, path=request.url.path)
 
     async def on_http(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
-        return error_response(str(exc.detail), exc.status_code)
+        return error_response(str(exc.detail), exc.status_code, path=request.url.path)
 
     async def on_engine_error(request: Request, exc: Exception) -> Response:
         status = status_of(exc)
         if isinstance(exc, EnginePausedError):
             # --paused-admission reject: the client should come back after continue.
-            return error_response(str(exc), 503, headers={"Retry-After": str(PAUSED_RETRY_S)})
+            return error_response(str(exc), 503, headers={"Retry-After": str(PAUSED_RETRY_S)},
+                                  path=request.url.path)
         if status >= 500:
             logger.error("Request to %s failed: %s", request.url.path, exc)
-        return error_response(str(exc) or type(exc).__name__, status, getattr(exc, "param", None))
+        return error_response(str(exc) or type(exc).__name__, status,
+                              getattr(exc, "param", None), path=request.url.path)
+
+    async def on_disconnect(request: Request, exc: Exception) -> Response:
+        logger.info("Client of %s disconnected before its first output", request.url.path)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("Unexpected error in %s", request.url.path, exc_info=exc)
-        return error_response(f"Internal server error: {exc!r}", 500)
+        return error_response(f"Internal server error: {exc!r}", 500, path=request.url.path)
 
     handlers: list[tuple[Any, Any]] = [
+        (ClientDisconnected, on_disconnect),
         (RequestValidationError, on_validation),
         (StarletteHTTPException, on_http),
         (ValueError, on_engine_error),

@@ -30,12 +30,18 @@ class ParsedDelta:
 
 
 class ChatOutputParser:
-    """Parsers for one choice (None: that part is not parsed). ``tools``: the request's."""
+    """Parsers for one choice (None: that part is not parsed). ``tools``: the request's.
+
+    ``stream_reasoning`` False (the request's): ``feed`` holds the reasoning back and returns
+    it whole, in the piece where the answer starts (or the final one), as upstream does.
+    """
 
     def __init__(self, reasoning_parser: str | None, tool_call_parser: str | None,
-                 tools: list[Any] | None) -> None:
+                 tools: list[Any] | None, stream_reasoning: bool = True) -> None:
         self.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
         self.tools = FunctionCallParser(tools, tool_call_parser) if tool_call_parser else None
+        self.stream_reasoning = stream_reasoning
+        self.held_reasoning = ""
         self.num_tool_calls = 0
 
     def feed(self, text: str, final: bool) -> ParsedDelta:
@@ -43,6 +49,12 @@ class ChatOutputParser:
         reasoning, answer = "", text
         if self.reasoning is not None:
             reasoning, answer = self.reasoning.parse_stream_chunk(text, final)
+            if not self.stream_reasoning:
+                # The reasoning is complete once answer text follows it (or the output ends).
+                self.held_reasoning += reasoning
+                reasoning = ""
+                if answer or final:
+                    reasoning, self.held_reasoning = self.held_reasoning, ""
         calls: list[ToolCall] = []
         if self.tools is not None:
             answer, items = self.tools.parse_stream_chunk(answer, final)

@@ -4,7 +4,10 @@ Request models accept OpenAI's fields plus SGLang's extra sampling fields (``top
 ``min_p``, ``ignore_eos``, ...) in the same body. Response models serialize to exactly the
 shapes the official ``openai`` Python client parses; fields that are None are kept (the client
 expects e.g. ``"logprobs": null`` and ``"finish_reason": null`` in stream chunks).
-Unknown request fields are ignored, as OpenAI-compatible servers commonly do. Request models
+Unknown request fields are ignored, as OpenAI-compatible servers commonly do; upstream SGLang's
+extras for features this engine does not have are declared so that a request setting one is
+refused by name (``SamplingExtras.unsupported_fields``) rather than answered as if it were not
+set. Request models
 are strict (docs/security.md): a boolean is not a number, a string is not a boolean, numbers
 are finite; the values are then checked like native requests by the TokenizerManager.
 """
@@ -15,7 +18,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
 
 
 def new_id(prefix: str) -> str:
@@ -55,20 +58,29 @@ class ErrorInfo(BaseModel):
 
 
 class ErrorResponse(BaseModel):
-    """``{"error": {"message", "type", "param", "code"}}``: how every error is reported."""
+    """``{"error": {"message", "type", "param", "code"}}``: how every error is reported. On /v1
+    endpoints the body also has upstream SGLang's top-level ``object: "error"``, ``message``,
+    ``type``, ``param`` and ``code`` (``serving_base.error_body``)."""
 
     error: ErrorInfo
+    object: Literal["error"] | None = None
+    message: str | None = None
+    type: str | None = None
+    param: str | None = None
+    code: int | None = None
 
 
 class SamplingExtras(BaseModel):
-    """SGLang's sampling fields accepted next to OpenAI's in a request body."""
+    """SGLang's fields accepted next to OpenAI's in a request body (both endpoints).
+
+    ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` are declared by
+    each request model: chat takes ``null`` for them (the model's default, as upstream),
+    completions does not.
+    """
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
-    top_k: int = -1
-    min_p: float = 0.0
     min_tokens: int = 0
-    repetition_penalty: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     stop_regex: str | list[str] | None = None
@@ -81,25 +93,36 @@ class SamplingExtras(BaseModel):
     # Entropy definition for return_entropy (docs/entropy.md); None: the server's default.
     entropy_mode: str | None = None
     entropy_top_k: int | None = None
-    rid: str | None = None
+    # One id, or (upstream's list form) one per prompt; suffixed per choice when n > 1.
+    rid: str | list[str] | None = None
+    # Only {"type": "text"}: structured output (json_object, json_schema) is refused.
+    response_format: dict[str, Any] | None = None
     # SGLang's constrained decoding, which this engine does not have: refused when set.
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI's; refused when not empty
+    # Upstream SGLang's extras for features this engine does not have (they change the tokens
+    # or promise more output): refused by name when set; None, false or empty is accepted.
+    return_hidden_states: bool = False
+    return_routed_experts: bool = False
+    return_cached_tokens_details: bool = False
+    custom_logit_processor: str | list[str | None] | None = None
+    session_params: dict[str, Any] | None = None
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_room: int | list[int] | None = None
 
     def unsupported_fields(self) -> list[str]:
         """The fields of this request that ask for features this engine does not have."""
-        names = ("regex", "json_schema", "ebnf", "logit_bias")
-        return [name for name in names if getattr(self, name)]
+        names = [name for name in _REFUSED_WHEN_SET if _is_set(getattr(self, name))]
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            names.append(f"response_format {self.response_format.get('type')!r}")
+        return names
 
     def extra_sampling_params(self) -> dict[str, Any]:
         """The SGLang-only entries of ``sampling_params`` (names as SamplingParams spells them)."""
         return {
-            "top_k": self.top_k,
-            "min_p": self.min_p,
             "min_new_tokens": self.min_tokens,
-            "repetition_penalty": self.repetition_penalty,
             "ignore_eos": self.ignore_eos,
             "stop_token_ids": self.stop_token_ids,
             "stop_regex": self.stop_regex,
@@ -107,6 +130,21 @@ class SamplingExtras(BaseModel):
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "no_stop_trim": self.no_stop_trim,
         }
+
+
+# The SamplingExtras fields refused when set, in the order the refusal names them.
+_REFUSED_WHEN_SET = (
+    "regex", "json_schema", "ebnf", "logit_bias", "return_hidden_states",
+    "return_routed_experts", "return_cached_tokens_details", "custom_logit_processor",
+    "session_params", "bootstrap_host", "bootstrap_room",
+)
+
+
+def _is_set(value: Any) -> bool:
+    """True unless ``value`` is None, false, empty, or a list of such values."""
+    if isinstance(value, list):
+        return any(_is_set(v) for v in value)
+    return bool(value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,8 +179,12 @@ class CompletionRequest(SamplingExtras):
     prompt: str | list[str] | list[int] | list[list[int]]
     # At least 1, as OpenAI and upstream (the native API's max_new_tokens may be 0).
     max_tokens: PositiveInt | None = 16
+    # OpenAI's defaults, whatever the model's generation config says (as upstream).
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -210,7 +252,7 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
 
-    role: str
+    role: Literal["system", "user", "assistant", "tool", "function", "developer"]
     content: str | list[ChatContentPart] | None = None
 
 
@@ -221,8 +263,13 @@ class ChatCompletionRequest(SamplingExtras):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    # None (left out or null): the model's generation_config.json value, else OpenAI's
+    # (sampling_defaults.py).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -235,13 +282,28 @@ class ChatCompletionRequest(SamplingExtras):
     user: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False
-    # Only {"type": "text"}: structured output (json_object, json_schema) is refused.
-    response_format: dict[str, Any] | None = None
+    # Passed to the chat template as upstream does; "none" also turns thinking off there.
+    reasoning_effort: Literal["none", "low", "medium", "high"] | None = None
+    # With --reasoning-parser: false leaves the reasoning inline in content; stream_reasoning
+    # false sends it in one delta once complete instead of token by token.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
     # Tools are rendered into the prompt by the chat template; calls come back in
     # message.tool_calls with --tool-call-parser, else as plain text. tool_choice "required" or
     # a named function is refused.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _check_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        """Each tool must carry a ``function`` object with a string ``name`` (what upstream's
+        ``Tool`` model requires); the dicts are kept as sent, for the chat template."""
+        for i, tool in enumerate(tools or []):
+            function = tool.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError(f"tools[{i}] needs a 'function' object with a string 'name'")
+        return tools
 
     def content_chars(self) -> int:
         """Characters of text in the messages (what the chat template renders)."""
@@ -255,8 +317,6 @@ class ChatCompletionRequest(SamplingExtras):
 
     def unsupported_fields(self) -> list[str]:
         names = super().unsupported_fields()
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            names.append(f"response_format {self.response_format.get('type')!r}")
         if self.tools and (isinstance(self.tool_choice, dict) or self.tool_choice == "required"):
             names.append(f"tool_choice {self.tool_choice!r}")
         return names

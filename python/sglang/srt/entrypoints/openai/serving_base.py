@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from sglang.srt.entrypoints.openai.protocol import UsageInfo
+from sglang.srt.entrypoints.openai.sampling_defaults import resolve_sampling_defaults
 from sglang.srt.managers.field_checks import InvalidRequestError
 from sglang.srt.managers.tokenizer_manager_protocol import TokenizerManagerProtocol
 
@@ -38,11 +39,31 @@ def sse_event(payload: Any) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    """The JSON error body: ``{"error": {"message", "type", "param", "code"}}``."""
+# Upstream SGLang's top-level ``type`` of an OpenAI error by status; others: the status code as
+# text, as upstream's HTTPException handler writes it.
+_UPSTREAM_ERROR_TYPES = {400: "BadRequestError", 500: "InternalServerError"}
+
+
+def is_openai_path(path: str | None) -> bool:
+    """True for the paths of the OpenAI-compatible endpoints (``/v1/...``)."""
+    return path is not None and path.startswith("/v1/")
+
+
+def error_body(message: str, status: int, param: str | None = None,
+               path: str | None = None) -> dict[str, Any]:
+    """The JSON error body: ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape,
+    which the ``openai`` client reads). For a /v1 ``path`` it also has upstream SGLang's
+    top-level ``object: "error"``, ``message``, ``type``, ``param`` and ``code``, so clients
+    written against either shape find their keys."""
     default_type = "server_error" if status >= 500 else "invalid_request_error"
     err_type = _ERROR_TYPES.get(status, default_type)
-    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    body: dict[str, Any] = {
+        "error": {"message": message, "type": err_type, "param": param, "code": status}
+    }
+    if is_openai_path(path):
+        body.update(object="error", message=message,
+                    type=_UPSTREAM_ERROR_TYPES.get(status, str(status)), param=param, code=status)
+    return body
 
 
 def json_response(payload: Any, status: int = 200,
@@ -55,8 +76,9 @@ def json_response(payload: Any, status: int = 200,
 
 
 def error_response(message: str, status: int, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> Response:
-    return json_response(error_body(message, status, param), status, headers)
+                   headers: dict[str, str] | None = None, path: str | None = None) -> Response:
+    """:func:`error_body` as a JSON response; ``path``: the request's (shapes a /v1 body)."""
+    return json_response(error_body(message, status, param, path), status, headers)
 
 
 def status_of(exc: BaseException) -> int:
@@ -108,13 +130,23 @@ def _close_in_background(outputs: AsyncGenerator[Any, None]) -> None:
     task.add_done_callback(_background_tasks.discard)
 
 
+class ClientDisconnected(Exception):
+    """The client went away before the first output of its request: there is no one to answer.
+    The HTTP error handlers answer it quietly (no traceback, status 499 that no one reads)."""
+
+
 async def first_output(outputs: AsyncGenerator[Any, None], stream: bool) -> Any:
     """The first output of a generation (the only one unless streaming).
 
     Errors in the request (ValueError) surface here, before any response header is sent, so
-    they become a proper 4xx. A non-stream generator is closed so its cleanup runs now.
+    they become a proper 4xx. A non-stream generator is closed so its cleanup runs now. Raises
+    :class:`ClientDisconnected` when the generator ends without an output (the TokenizerManager
+    aborted the request because its client disconnected).
     """
-    first = await outputs.__anext__()
+    try:
+        first = await outputs.__anext__()
+    except StopAsyncIteration:
+        raise ClientDisconnected("the client disconnected before the first output") from None
     if not stream:
         await outputs.aclose()
     return first
@@ -154,12 +186,18 @@ class OpenAIServingBase:
                      f"--max-request-batch-size), got n={n} for {num_prompts} prompt(s)")
 
     def sampling_params(
-        self, req: Any, max_new_tokens: int | None, stop: str | list[str] | None
+        self, req: Any, max_new_tokens: int | None, stop: str | list[str] | None,
+        model_defaults: dict[str, Any],
     ) -> dict[str, Any]:
-        """The engine's ``sampling_params`` dict for an OpenAI request (validated later)."""
+        """The engine's ``sampling_params`` dict for an OpenAI request (validated later).
+        ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` left None by
+        the request take ``model_defaults``' value, else OpenAI's (sampling_defaults.py)."""
         params: dict[str, Any] = {
             "temperature": req.temperature,
             "top_p": req.top_p,
+            "top_k": req.top_k,
+            "min_p": req.min_p,
+            "repetition_penalty": req.repetition_penalty,
             "stop": stop,
             # None: as many tokens as the context leaves (TokenizerManager contract).
             "max_new_tokens": max_new_tokens,
@@ -167,6 +205,7 @@ class OpenAIServingBase:
             "frequency_penalty": req.frequency_penalty,
             **req.extra_sampling_params(),
         }
+        resolve_sampling_defaults(params, model_defaults)
         return params
 
     def per_choice_params(self, params: dict[str, Any], seed: int | None, n: int,
@@ -190,11 +229,25 @@ class OpenAIServingBase:
             return model.split(":", 1)[1] or None
         return lora_path
 
-    def rids(self, rid: str | None, count: int) -> list[str] | None:
-        """Request ids: the user's rid (suffixed per choice when there are several) or None."""
+    @staticmethod
+    def rids(rid: str | list[str] | None, num_prompts: int, n: int) -> list[str] | None:
+        """Request ids of the ``num_prompts * n`` engine requests, or None (the engine's own).
+
+        A string names the whole request: its engine requests are ``rid`` when there is one,
+        else ``rid-0``, ``rid-1``, ... A list (upstream's form) has one id per prompt
+        (InvalidRequestError otherwise), each suffixed ``-j`` per choice when ``n > 1``. Either
+        way ``/abort_request`` with ``match_prefix`` reaches every choice of an id.
+        """
         if rid is None:
             return None
-        return [rid] if count == 1 else [f"{rid}-{i}" for i in range(count)]
+        if isinstance(rid, str):
+            count = num_prompts * n
+            return [rid] if count == 1 else [f"{rid}-{i}" for i in range(count)]
+        if len(rid) != num_prompts:
+            raise InvalidRequestError(
+                "rid", f"a list of request ids needs one per prompt: got {len(rid)} ids for "
+                       f"{num_prompts} prompt(s)")
+        return list(rid) if n == 1 else [f"{r}-{j}" for r in rid for j in range(n)]
 
     def token_text(self, token_id: int, text: str | None) -> str:
         """The text of one token for logprob entries (decoded if the engine did not send it)."""
@@ -209,6 +262,16 @@ class OpenAIServingBase:
         """Usage of a batch: each prompt counted once (not once per choice)."""
         prompt = sum(o["meta_info"]["prompt_tokens"] for i, o in enumerate(outputs) if i % n == 0)
         completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
+        return UsageInfo(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+    @staticmethod
+    def choice_usage(meta_info: dict[str, Any]) -> UsageInfo:
+        """Usage of one choice so far, from one of its (cumulative) stream outputs: what
+        ``stream_options.continuous_usage_stats`` puts on each of its content chunks."""
+        prompt = meta_info.get("prompt_tokens", 0)
+        completion = meta_info.get("completion_tokens", 0)
         return UsageInfo(
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         )

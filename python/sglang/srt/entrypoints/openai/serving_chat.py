@@ -3,7 +3,10 @@
 The conversation is rendered with the tokenizer's chat template (or ``--chat-template``) and
 tokenized here, without adding special tokens again (the template already has them), so the
 engine receives ``input_ids``. The request is expanded to ``n`` engine requests, one per choice.
-With ``--reasoning-parser`` the reasoning goes to ``reasoning_content``; with
+Sampling fields the request leaves out (or sends as null) take the model's
+generation_config.json values (upstream's ``--sampling-defaults model``; sampling_defaults.py).
+With ``--reasoning-parser`` the reasoning goes to ``reasoning_content`` (unless the request sets
+``separate_reasoning: false``); with
 ``--tool-call-parser`` (and ``tools`` in the request) calls go to ``tool_calls`` and the finish
 reason "stop" becomes "tool_calls" (chat_parsing.py).
 """
@@ -29,8 +32,10 @@ from sglang.srt.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     DeltaMessage,
     TopLogprob,
+    UsageInfo,
     new_id,
 )
+from sglang.srt.entrypoints.openai.sampling_defaults import load_model_sampling_defaults
 from sglang.srt.entrypoints.openai.serving_base import (
     OpenAIServingBase,
     StreamState,
@@ -51,6 +56,8 @@ class OpenAIServingChat(OpenAIServingBase):
     """Handler of /v1/chat/completions. ``handle`` raises ValueError for bad requests (-> 400).
 
     ``chat_template`` (the text of a Jinja template) replaces the tokenizer's own when given.
+    The model's sampling defaults are read once, here, from ``tokenizer_manager.model_path``
+    (none with ``server_args.sampling_defaults == "openai"``).
     """
 
     def __init__(self, tokenizer_manager: Any, metrics: Any, chat_template: str | None) -> None:
@@ -59,11 +66,16 @@ class OpenAIServingChat(OpenAIServingBase):
         server_args = getattr(tokenizer_manager, "server_args", None)
         self.reasoning_parser = getattr(server_args, "reasoning_parser", None)
         self.tool_call_parser = getattr(server_args, "tool_call_parser", None)
+        self.model_sampling_defaults = load_model_sampling_defaults(
+            tokenizer_manager.model_path, getattr(server_args, "sampling_defaults", "model")
+        )
 
     def _output_parser(self, req: ChatCompletionRequest) -> ChatOutputParser:
         use_tools = bool(req.tools) and req.tool_choice != "none"
         return ChatOutputParser(
-            self.reasoning_parser, self.tool_call_parser if use_tools else None, req.tools
+            self.reasoning_parser if req.separate_reasoning else None,
+            self.tool_call_parser if use_tools else None, req.tools,
+            stream_reasoning=req.stream_reasoning,
         )
 
     async def handle(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
@@ -106,6 +118,13 @@ class OpenAIServingChat(OpenAIServingBase):
         template_kwargs = dict(req.chat_template_kwargs or {})
         if req.tools and req.tool_choice != "none":
             template_kwargs.setdefault("tools", req.tools)
+        if req.reasoning_effort is not None:
+            template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+        if req.reasoning_effort == "none":
+            # Templates switch thinking off by one of these names (Qwen3 and GLM use the
+            # second, DeepSeek and Kimi the first); an explicit chat_template_kwargs wins.
+            template_kwargs.setdefault("thinking", False)
+            template_kwargs.setdefault("enable_thinking", False)
         try:
             text = tokenizer.apply_chat_template(
                 messages,
@@ -122,11 +141,11 @@ class OpenAIServingChat(OpenAIServingBase):
     def _to_generate(self, req: ChatCompletionRequest, input_ids: list[int]) -> GenerateReqInput:
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
-        params = self.sampling_params(req, max_tokens, req.stop)
+        params = self.sampling_params(req, max_tokens, req.stop, self.model_sampling_defaults)
         return GenerateReqInput(
             input_ids=[list(input_ids) for _ in range(req.n)],
             sampling_params=self.per_choice_params(params, req.seed, req.n, 1),
-            rid=self.rids(req.rid, req.n),
+            rid=self.rids(req.rid, 1, req.n),
             return_logprob=req.logprobs,
             top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
             return_text_in_logprobs=True,
@@ -184,10 +203,12 @@ class OpenAIServingChat(OpenAIServingBase):
         state = StreamState(req.n)
         role_sent: set[int] = set()
         parsers = [self._output_parser(req) for _ in range(req.n)]
+        continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
-        def chunk(choice: ChatCompletionStreamChoice) -> bytes:
+        def chunk(choice: ChatCompletionStreamChoice, usage: UsageInfo | None = None) -> bytes:
             return sse_event(ChatCompletionStreamResponse(
-                id=response_id, model=self.model_name, choices=[choice]).model_dump())
+                id=response_id, model=self.model_name, choices=[choice], usage=usage,
+            ).model_dump())
 
         def render(out: dict[str, Any]) -> Iterable[bytes]:
             tracker.observe(out)
@@ -202,6 +223,9 @@ class OpenAIServingChat(OpenAIServingBase):
             parsed = parsers[i].feed(delta.text, final=delta.finish_reason is not None)
             # One tool-call delta per chunk, as upstream: a call's name, then its arguments.
             first_calls, more_calls = parsed.tool_calls[:1], parsed.tool_calls[1:]
+            # continuous_usage_stats: each content chunk carries its choice's usage so far, as
+            # upstream (the role and finish_reason chunks do not).
+            usage = self.choice_usage(delta.meta_info) if continuous_usage else None
             if parsed or (logprobs and logprobs.content):
                 yield chunk(ChatCompletionStreamChoice(
                     index=i, delta=DeltaMessage(
@@ -211,10 +235,10 @@ class OpenAIServingChat(OpenAIServingBase):
                     ), logprobs=logprobs,
                     output_token_entropy=self.entropy_slice(
                         delta.meta_info, delta.token_start, req.return_entropy),
-                ))
+                ), usage)
             for call in more_calls:
                 yield chunk(ChatCompletionStreamChoice(
-                    index=i, delta=DeltaMessage(tool_calls=[call])))
+                    index=i, delta=DeltaMessage(tool_calls=[call])), usage)
             if delta.finish_reason is not None:
                 finish_reason = delta.finish_reason
                 if parsers[i].num_tool_calls and finish_reason == "stop":

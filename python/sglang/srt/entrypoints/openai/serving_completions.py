@@ -2,7 +2,8 @@
 
 The request is expanded to a batch of ``num_prompts * n`` engine requests (choice ``i`` is
 copy ``i % n`` of prompt ``i // n``); the engine always sees a batch, so single and multiple
-prompts share one code path.
+prompts share one code path. Sampling defaults are OpenAI's whatever the model's
+generation_config.json says, as upstream (only chat takes the model's).
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ class OpenAIServingCompletion(OpenAIServingBase):
         prompts = _prompt_list(req.prompt)
         _check_request(req)
         self.check_num_choices(req.n, len(prompts))
+        echoes = self._echo_texts(req, prompts)
         obj = self._to_generate(req, prompts)
         tracker = self.metrics.new_request(stream=req.stream)
         outputs = self.generate(obj, raw_request)
         first = await first_output(outputs, req.stream)
-        echoes = self._echo_texts(req, prompts)
         response_id = new_id("cmpl")
         if req.stream:
             return self._stream(req, first, outputs, tracker, echoes, response_id)
@@ -54,7 +55,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
         return json_response(self._response(req, first, echoes, response_id))
 
     def _to_generate(self, req: CompletionRequest, prompts: list[Any]) -> GenerateReqInput:
-        params = self.sampling_params(req, req.max_tokens, req.stop)
+        params = self.sampling_params(req, req.max_tokens, req.stop, model_defaults={})
         per_choice = self.per_choice_params(params, req.seed, req.n, len(prompts))
         expanded = [p for p in prompts for _ in range(req.n)]
         is_text = isinstance(expanded[0], str)
@@ -62,7 +63,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             text=expanded if is_text else None,
             input_ids=None if is_text else expanded,
             sampling_params=per_choice,
-            rid=self.rids(req.rid, len(expanded)),
+            rid=self.rids(req.rid, len(prompts), req.n),
             return_logprob=req.logprobs is not None,
             # echo + logprobs: the prompt's logprobs too (the first token's is None).
             logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
@@ -76,10 +77,16 @@ class OpenAIServingCompletion(OpenAIServingBase):
         )
 
     def _echo_texts(self, req: CompletionRequest, prompts: list[Any]) -> list[str]:
-        """Per-choice text to prepend when ``echo`` is set (token prompts are decoded)."""
+        """Per-choice text to prepend when ``echo`` is set. Token prompts are decoded without
+        their special tokens, as upstream; ValueError when there is no tokenizer to do so."""
         if not req.echo:
             return [""] * (len(prompts) * req.n)
-        texts = [p if isinstance(p, str) else self.tm.tokenizer.decode(p) for p in prompts]
+        tokenizer = self.tm.tokenizer
+        if tokenizer is None and not isinstance(prompts[0], str):
+            raise ValueError("echo with token-id prompts needs a tokenizer (server runs with "
+                             "--skip-tokenizer-init)")
+        texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=True)
+                 for p in prompts]
         return [t for t in texts for _ in range(req.n)]
 
     def _logprobs(self, meta: dict[str, Any], start: int, offset: int,
@@ -139,6 +146,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
         state = StreamState(len(echoes))
         offsets = [len(e) for e in echoes]
         prompt_sent: set[int] = set()  # choices whose echoed prompt logprobs were sent
+        continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
         def render(out: dict[str, Any]) -> Iterable[bytes]:
             tracker.observe(out)
@@ -165,8 +173,10 @@ class OpenAIServingCompletion(OpenAIServingBase):
                 metadata=None if delta.finish_reason is None
                 else self.weight_metadata(delta.meta_info),
             )
-            chunk = CompletionStreamResponse(id=response_id, model=self.model_name,
-                                             choices=[choice])
+            # continuous_usage_stats: every chunk carries its choice's usage so far (upstream).
+            chunk = CompletionStreamResponse(
+                id=response_id, model=self.model_name, choices=[choice],
+                usage=self.choice_usage(delta.meta_info) if continuous_usage else None)
             yield sse_event(chunk.model_dump())
 
         def trailer() -> Iterable[bytes]:

@@ -4,6 +4,7 @@ framework serves that app with its own uvicorn server."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -81,3 +82,47 @@ def test_verl_server_mode_serves_the_module_app(tiny_model_dir: Callable[..., Pa
         thread.join(30)
         kill_engine_processes(processes, tokenizer_manager.port_args)
     assert not any(p.is_alive() for p in processes)
+
+
+def test_verl_0510_launch_returns_upstreams_tuple(tiny_model_dir: Callable[..., Path]) -> None:
+    """From 0.5.10 on verl imports ``Engine`` from http_server and unpacks the classmethod's
+    tuple as ``tokenizer_manager, template_manager, scheduler_info, *_`` (the third element is
+    upstream's port args, which _GlobalState replaces by the scheduler info), then builds
+    upstream's GenerateReqInput and awaits ``generate_request``."""
+    from sglang.srt.entrypoints.http_server import Engine
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    args = ServerArgs(model_path=str(tiny_model_dir()), device="cpu", random_seed=0,
+                      max_total_tokens=512)
+    tokenizer_manager, template_manager, port_args, init_result, watchdog = (
+        Engine._launch_subprocesses(
+            server_args=args,
+            init_tokenizer_manager_func=engine_module.init_tokenizer_manager,
+            run_scheduler_process_func=engine_module.run_scheduler_process,
+            run_detokenizer_process_func=engine_module.run_detokenizer_process,
+        ))
+    processes = tokenizer_manager.watched_processes
+    try:
+        assert template_manager is None and watchdog is None
+        assert port_args is tokenizer_manager.port_args
+        assert init_result.scheduler_infos[0]["context_length"] > 0
+        init_result.wait_for_ready()
+        state = _GlobalState(tokenizer_manager=tokenizer_manager,
+                             template_manager=template_manager, scheduler_info=port_args)
+        assert state.scheduler_info == init_result.scheduler_infos[0]
+
+        async def generate() -> dict:
+            tokenizer_manager.start()
+            request = GenerateReqInput(rid="verl-1", input_ids=[5, 6, 7], image_data=None,
+                                       return_logprob=True, sampling_params={
+                                           "temperature": 0, "max_new_tokens": 4,
+                                           "ignore_eos": True})
+            return await tokenizer_manager.generate_request(request, None).__anext__()
+
+        out = asyncio.run(generate())
+        assert len(out["output_ids"]) == len(out["meta_info"]["output_token_logprobs"]) == 4
+    finally:
+        kill_engine_processes(processes, tokenizer_manager.port_args)
+    init_result.wait_for_completion()
+    assert not any(p.is_alive() for p in processes)
+    assert Engine.run_scheduler_process_func is engine_module.run_scheduler_process

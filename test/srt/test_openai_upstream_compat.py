@@ -17,7 +17,6 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -159,8 +158,13 @@ def test_completions_keep_openai_defaults(http: httpx.Client, tm: _RecordingTM) 
 
 def test_sampling_defaults_openai_mode_and_bad_files(tmp_path: Path, model_dir: Path) -> None:
     tm = _RecordingTM(str(model_dir))
-    tm.server_args = SimpleNamespace(sampling_defaults="openai")  # type: ignore[attr-defined]
+    tm.server_args = ServerArgs(  # type: ignore[attr-defined]
+        model_path=str(model_dir), sampling_defaults="openai")
     assert OpenAIServingChat(tm, None, None).model_sampling_defaults == {}
+    tm.server_args = ServerArgs(model_path=str(model_dir))  # type: ignore[attr-defined]
+    assert OpenAIServingChat(tm, None, None).model_sampling_defaults == MODEL_DEFAULTS
+    with pytest.raises(ValueError, match="sampling.defaults"):
+        ServerArgs(model_path=str(model_dir), sampling_defaults="vllm")
     assert load_model_sampling_defaults(str(model_dir)) == MODEL_DEFAULTS
     assert load_model_sampling_defaults(str(tmp_path)) == {}  # no file
     assert load_model_sampling_defaults(str(tmp_path / "model.gguf")) == {}

@@ -339,6 +339,14 @@ class ServerArgs(UpstreamOnlyArgs):
     )
 
     # OpenAI chat parsing (docs/openai_api.md)
+    sampling_defaults: str = _arg(
+        "model",
+        "Defaults of the chat completions API's temperature, top_p, top_k, min_p and "
+        "repetition_penalty when a request leaves them out: 'model' reads them from the "
+        "model's generation_config.json (OpenAI's defaults where it has none), 'openai' always "
+        "uses OpenAI's. /generate and /v1/completions always use OpenAI's.",
+        choices=("model", "openai"),
+    )
     reasoning_parser: str | None = _arg(
         None,
         "Split the model's reasoning from its answer in chat completions: the text between "

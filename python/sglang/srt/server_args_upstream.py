@@ -138,7 +138,6 @@ class UpstreamOnlyArgs:
     file_storage_path: str = "sglang_storage"
     enable_cache_report: bool = False
     tool_server: str | None = None
-    sampling_defaults: str = "model"
     attn_cp_size: int = 1
     moe_dp_size: int = 1
     json_model_override_args: str = "{}"

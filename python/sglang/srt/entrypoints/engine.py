@@ -120,6 +120,18 @@ def launch_engine_processes(
     return tokenizer_manager, ready[procs[0]], procs
 
 
+class _LazyFunction:
+    """A class attribute that is ``module.name``, imported when first read."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(self.module), self.name)
+
+
 # Upstream's launch API, which RL frameworks import from this module (launch_compat.py),
 # resolved on first use: the scheduler's module must not be imported into the launcher early.
 _LAZY_NAMES = {
@@ -215,6 +227,24 @@ class Engine(EngineBase):
     method raises RuntimeError. A request that fails validation raises ValueError; a dead
     scheduler makes pending and later calls raise RuntimeError.
     """
+
+    # Upstream's launch hooks (verl's server mode passes them back to _launch_subprocesses);
+    # resolved on first use, like the module's lazy names.
+    init_tokenizer_manager_func = _LazyFunction("sglang.srt.entrypoints.launch_compat",
+                                                "init_tokenizer_manager")
+    run_scheduler_process_func = _LazyFunction("sglang.srt.managers.scheduler_process",
+                                               "run_scheduler_process")
+    run_detokenizer_process_func = _LazyFunction("sglang.srt.managers.detokenizer_manager",
+                                                 "run_detokenizer_process")
+
+    @classmethod
+    def _launch_subprocesses(cls, server_args: ServerArgs, *args: Any, **kwargs: Any) -> tuple:
+        """Upstream 0.5.10's launch for servers that serve the module-level HTTP app
+        themselves: ``(tokenizer_manager, None, port_args, scheduler_init_result, None)``
+        (see :func:`~sglang.srt.entrypoints.launch_compat.launch_subprocesses_0510`)."""
+        from sglang.srt.entrypoints.launch_compat import launch_subprocesses_0510
+
+        return launch_subprocesses_0510(server_args, *args, **kwargs)
 
     def __init__(self, **kwargs: Any) -> None:
         if "server_args" in kwargs:  # upstream's Engine(server_args=ServerArgs(...))

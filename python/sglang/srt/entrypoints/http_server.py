@@ -512,6 +512,16 @@ def create_app(
     return _attach(_new_app(), tokenizer_manager, server_args, processes, scheduler_info, ready)
 
 
+def __getattr__(name: str) -> Any:
+    """``Engine``, which upstream 0.5.10's module exports (verl imports it from here), resolved
+    on first use."""
+    if name == "Engine":
+        from sglang.srt.entrypoints.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # Upstream's module-level app, for launchers that serve it themselves (verl's server mode):
 # ``_launch_subprocesses`` starts an engine, ``set_global_state`` attaches it here, and the
 # caller runs uvicorn on ``app``. launch_server builds its own app with create_app.

@@ -6,6 +6,12 @@ verl's server mode does, with upstream's names::
     set_global_state(_GlobalState(tokenizer_manager, template_manager, scheduler_info))
     # ... then serves sglang.srt.entrypoints.http_server.app with its own uvicorn server
 
+From upstream 0.5.10 on, verl calls the classmethod instead (the tuple is upstream's newer
+order, with the scheduler infos in a :class:`SchedulerInitResult`)::
+
+    tokenizer_manager, template_manager, port_args, scheduler_init_result, watchdog = (
+        Engine._launch_subprocesses(server_args=..., init_tokenizer_manager_func=...))
+
 ``_launch_subprocesses`` starts the scheduler and detokenizer processes and builds the
 TokenizerManager in the calling process (the same as :class:`~sglang.srt.entrypoints.engine.
 Engine` does); the processes are killed and the IPC directory removed when the interpreter
@@ -43,11 +49,29 @@ def init_tokenizer_manager(
 
 @dataclass
 class _GlobalState:
-    """What the module-level HTTP app serves (upstream's field names)."""
+    """What the module-level HTTP app serves (upstream's field names). ``scheduler_info`` that
+    is not a dict (verl passes the third element of the 0.5.10 tuple, the port args) is
+    replaced by the manager's own."""
 
     tokenizer_manager: Any
     template_manager: Any = None
-    scheduler_info: dict[str, Any] = field(default_factory=dict)
+    scheduler_info: Any = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scheduler_info, dict):
+            self.scheduler_info = dict(self.tokenizer_manager.scheduler_info)
+
+
+@dataclass
+class SchedulerInitResult:
+    """The scheduler side of a launch (upstream 0.5.10's name and fields). The processes are
+    ready when it is returned, so ``wait_for_ready`` returns at once; ``wait_for_completion``
+    blocks until every engine process exited."""
+
+    scheduler_infos: list[dict[str, Any]]
+    wait_for_ready: Callable[[], None] = lambda: None
+    wait_for_completion: Callable[[], None] = lambda: None
+    engine_info_bootstrap_server: Any = None
 
 
 # Parameter -> (module, name) of this build's own function for it.
@@ -103,3 +127,28 @@ def _launch_subprocesses(
     tokenizer_manager, scheduler_info, processes = launch_engine_processes(server_args)
     atexit.register(kill_engine_processes, processes, tokenizer_manager.port_args)
     return tokenizer_manager, None, scheduler_info, tokenizer_manager.port_args
+
+
+def launch_subprocesses_0510(
+    server_args: ServerArgs,
+    init_tokenizer_manager_func: Callable[..., Any] | None = None,
+    run_scheduler_process_func: Callable[..., Any] | None = None,
+    run_detokenizer_process_func: Callable[..., Any] | None = None,
+    port_args: PortArgs | None = None,
+) -> tuple[TokenizerManager, None, PortArgs, SchedulerInitResult, None]:
+    """Upstream 0.5.10's ``Engine._launch_subprocesses``: the same launch as
+    :func:`_launch_subprocesses`, returned as ``(tokenizer_manager, template_manager=None,
+    port_args, scheduler_init_result, subprocess_watchdog=None)``. There is no watchdog object:
+    the TokenizerManager watches the processes itself (callers fail fast when one dies)."""
+    tokenizer_manager, _, scheduler_info, own_port_args = _launch_subprocesses(
+        server_args, port_args, init_tokenizer_manager_func, run_scheduler_process_func,
+        run_detokenizer_process_func,
+    )
+    processes = list(tokenizer_manager.watched_processes)
+
+    def wait_for_completion() -> None:
+        for process in processes:
+            process.join()
+
+    result = SchedulerInitResult([scheduler_info], wait_for_completion=wait_for_completion)
+    return tokenizer_manager, None, own_port_args, result, None

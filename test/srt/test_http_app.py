@@ -735,6 +735,16 @@ def test_tokenizer_endpoints_refuse_what_they_cannot_serve(server: _Server) -> N
 def test_get_control_routes_are_opt_in_and_never_cross_site(server: _Server) -> None:
     r = httpx.get(server.url + "/flush_cache")
     assert r.status_code == 405 and "--allow-get-control-routes" in r.json()["error"]["message"]
+    # slime's and miles' start-up poll: a GET declaring a JSON body type, which no web page
+    # can send cross-site without a preflight. Served by default; a browser's mark still 403s.
+    as_slime = {"Content-Type": "application/json; charset=utf-8"}
+    r = httpx.get(server.url + "/flush_cache", headers=as_slime)
+    assert r.status_code == 200 and "flushed" in r.text
+    r = httpx.get(server.url + "/flush_cache", headers={**as_slime, "Sec-Fetch-Site": "cross-site"})
+    assert r.status_code == 403
+    assert httpx.get(server.url + "/pause_generation", headers=as_slime).status_code == 405
+    assert httpx.get(server.url + "/flush_cache",
+                     headers={"Content-Type": "text/plain"}).status_code == 405
     with _Server(allow_get_control_routes=True) as legacy:
         r = httpx.get(legacy.url + "/flush_cache")
         assert r.status_code == 200 and "flushed" in r.text  # slime's flush_cache sends GET

@@ -10,9 +10,9 @@ without doing anything. In order, a request is refused with:
 * 403 when a browser marks it cross-site (an ``Origin`` other than the server itself, or
   ``Sec-Fetch-Site: cross-site``) and it is not a GET/HEAD;
 * 405 when a state-changing endpoint (:data:`CONTROL_PATHS`) is called with another method
-  than POST (with ``--allow-get-control-routes``, a GET of :data:`GET_CONTROL_PATHS` is
-  served unless a browser marks it cross-site: 403), 415 when its body is sent with another
-  content type than JSON;
+  than POST (a GET of :data:`GET_CONTROL_PATHS` with ``Content-Type: application/json``, or
+  any GET of them with ``--allow-get-control-routes``, is served unless a browser marks it
+  cross-site: 403), 415 when its body is sent with another content type than JSON;
 * 413 for a body over the limit, 400 for a bad Content-Length;
 * 400 when a JSON body is not strict JSON (NaN, Infinity, a number out of the float range, a
   lone surrogate escape); a leading UTF-8 byte order mark is dropped.
@@ -179,11 +179,18 @@ class GuardMiddleware:
                 "--allowed-hosts to answer it", 400)
         if self.api_key and path not in _PUBLIC_PATHS and not self._authorized(headers):
             return error_response("Invalid or missing API key", 401)
-        get_control = method == "GET" and path in self.get_control_paths
+        # A GET that declares a JSON body type is served too (slime and miles poll
+        # GET /flush_cache so, as upstream answers it): no web page can send that header
+        # cross-site without a CORS preflight, which this server never approves.
+        get_control = method == "GET" and (
+            path in self.get_control_paths
+            or (path in GET_CONTROL_PATHS and _is_json_type(headers.get("content-type", "")))
+        )
         if _cross_site(method, headers, control=get_control):
             return error_response("Cross-site requests are refused", 403)
         if path in CONTROL_PATHS and method != "POST" and not get_control:
-            hint = (" (--allow-get-control-routes also answers GET, as upstream SGLang does)"
+            hint = (" (a GET with Content-Type: application/json is answered too, and any GET "
+                    "with --allow-get-control-routes, as upstream SGLang does)"
                     if method == "GET" and path in GET_CONTROL_PATHS else "")
             return error_response(
                 f"Method {method} not allowed: {path} changes the server's state and accepts "

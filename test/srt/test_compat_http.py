@@ -55,6 +55,16 @@ def test_get_load_as_sglang_router_reads_it(server: ServerProcess) -> None:
     assert entry["num_tokens"] >= 0 and entry["ts_tic"] > 0
 
 
+def test_v1_loads_as_slime_reads_it(server: ServerProcess) -> None:
+    body = _get(server, "/v1/loads?include=core,disagg,queues").json()
+    (entry,) = body["loads"]
+    assert body["dp_rank_count"] == 1 and body["version"] == sglang.__version__
+    assert entry["dp_rank"] == 0 and entry["num_total_reqs"] == entry["num_running_reqs"] == 0
+    assert entry["max_total_num_tokens"] > 0 and 0 <= entry["token_usage"] <= 1
+    assert body["aggregate"]["total_reqs"] == 0
+    assert _get(server, "/v1/loads?dp_rank=3").json()["loads"] == []
+
+
 def test_new_info_names_match_the_old(server: ServerProcess) -> None:
     new, old = _get(server, "/server_info").json(), _get(server, "/get_server_info").json()
     assert new["version"] == old["version"] == sglang.__version__

@@ -4,6 +4,7 @@ native ones (docs/compatibility.md), on their own router included by ``create_ap
 | endpoint | body | reply |
 |---|---|---|
 | GET /get_load | - | ``[{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens", "ts_tic"}]`` |
+| GET /v1/loads | include?, dp_rank? | ``{"version", "timestamp", "dp_rank_count", "loads": [{"dp_rank", "num_running_reqs", "num_waiting_reqs", "num_total_reqs", "num_used_tokens", "max_total_num_tokens", "token_usage", "max_running_requests"}], "aggregate"}`` |
 | GET /server_info, /model_info | - | as /get_server_info, /get_model_info (upstream's new names) |
 | POST /update_weights_from_tensor | serialized_named_tensors (base64, one per TP rank), load_format?, flush_cache, abort_all_requests, weight_version? | {success, message}; 400 when refused |
 | POST /init_weights_update_group | master_address, master_port, rank_offset, world_size, group_name, backend | {success, message}; 400 when it fails |
@@ -92,6 +93,42 @@ async def get_load(request: Request) -> Response:
             "ts_tic": time.time(),
         })
     return json_response(loads)
+
+
+@router.get("/v1/loads")
+async def loads(request: Request, include: str = "core", dp_rank: int | None = None) -> Response:
+    """Each scheduler's load in upstream's ``/v1/loads`` shape (slime's and sglang-router's
+    idle checks read it): the ``core`` section per rank and an aggregate. Sections this build
+    does not track (``disagg``, ``queues``, ``memory``, ``spec``) are left out whatever
+    ``include`` asks; ``dp_rank`` keeps one rank."""
+    from sglang import __version__
+
+    states = await _tm(request).get_internal_state()
+    rows = []
+    for rank, state in enumerate(states):
+        if dp_rank is not None and rank != dp_rank:
+            continue
+        running, waiting = state["running_batch_size"], state["waiting_queue_size"]
+        capacity = state["max_total_num_tokens"]
+        used = capacity - state["available_kv_tokens"]
+        rows.append({
+            "dp_rank": rank,
+            "num_running_reqs": running,
+            "num_waiting_reqs": waiting,
+            "num_total_reqs": running + waiting,
+            "num_used_tokens": used,
+            "max_total_num_tokens": capacity,
+            "token_usage": used / capacity if capacity else 0.0,
+            "max_running_requests": state["max_running_requests"],
+        })
+    aggregate = {
+        "total_running_reqs": sum(r["num_running_reqs"] for r in rows),
+        "total_waiting_reqs": sum(r["num_waiting_reqs"] for r in rows),
+        "total_reqs": sum(r["num_total_reqs"] for r in rows),
+        "avg_token_usage": sum(r["token_usage"] for r in rows) / len(rows) if rows else 0.0,
+    }
+    return json_response({"version": __version__, "timestamp": time.time(),
+                          "dp_rank_count": len(states), "loads": rows, "aggregate": aggregate})
 
 
 @router.get("/server_info")

@@ -87,6 +87,14 @@ def test_parallel_sampling_n(engine: sgl.Engine) -> None:
                            sampling_params={**GREEDY, "n": 3, "temperature": 1.0})
     assert [o["meta_info"]["id"] for o in outs] == ["par_0", "par_1", "par_2"]
     assert all(len(o["output_ids"]) == 6 for o in outs)
+    # A seeded group: n different samples (copy 0 is the n = 1 request), reproducible.
+    seeded = {**GREEDY, "temperature": 1.0, "max_new_tokens": 12, "sampling_seed": 5}
+    group = [o["output_ids"] for o in engine.generate(
+        input_ids=PROMPTS[0], sampling_params={**seeded, "n": 3})]
+    assert len({tuple(ids) for ids in group}) == 3
+    assert group[0] == engine.generate(input_ids=PROMPTS[0], sampling_params=seeded)["output_ids"]
+    assert group == [o["output_ids"] for o in engine.generate(
+        input_ids=PROMPTS[0], sampling_params={**seeded, "n": 3})]
 
 
 def test_logprob_formats(engine: sgl.Engine) -> None:

@@ -10,7 +10,6 @@ logsumexp of the torch backend, are re-exported here.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 from collections.abc import Callable
 
@@ -30,6 +29,7 @@ from sgl_kernel.sampling_contract import (
 )
 from sgl_kernel.sampling_torch import row_logsumexp
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang.srt.sampling.sampling_params import derive_seed
 
 __all__ = [
     "ENTROPY_MODES",
@@ -81,13 +81,6 @@ def get_logsumexp(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The row logsumexp ([B, V] -> [B] float32) whose bits backend ``name`` uses for the
     chosen token's logprob: prompt logprobs computed with it equal decode logprobs exactly."""
     return _backend_attr(name, 2)
-
-
-def derive_seed(random_seed: int, rid: str) -> int:
-    """Seed of a request that gave no ``sampling_seed``: stable across processes and runs
-    (blake2b of the engine seed and the rid), in [0, 2**63)."""
-    digest = hashlib.blake2b(f"{random_seed}\x00{rid}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 class Sampler:

@@ -6,9 +6,9 @@ Pure functions: the Scheduler core queues the request or finishes it with the re
 from __future__ import annotations
 
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.layers.sampler import derive_seed
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.sampling.sampling_params import derive_seed
 
 
 def make_req(recv: TokenizedGenerateReqInput, model_config: ModelConfig, random_seed: int) -> Req:

@@ -80,6 +80,7 @@ from sglang.srt.managers.tokenizer_req_state import (
 )
 from sglang.srt.managers.weights_update_group import WeightsUpdateGroups
 from sglang.srt.parser.reasoning_parser import think_end_token
+from sglang.srt.sampling.sampling_params import derive_seed
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils import TypeBasedDispatcher, dumps, loads
 from sglang.srt.utils.multiprocessing_serializer import decode_named_tensors
@@ -303,10 +304,15 @@ class TokenizerManager:
                 reqs.append(req)
                 parents.append(None)
                 continue
+            seed = req.sampling_params.sampling_seed
             for i in range(n):
                 copy_req = copy.deepcopy(req)
                 copy_req.rid = f"{req.rid}_{i}"
                 copy_req.sampling_params.n = 1
+                if seed is not None and i > 0:
+                    # n samples, not n copies of one: copy i > 0 gets its own seed, derived
+                    # from the request's (copy 0 keeps it, as an n = 1 request would).
+                    copy_req.sampling_params.sampling_seed = derive_seed(seed, f"copy-{i}")
                 reqs.append(copy_req)
                 parents.append(req.rid)
         rids = [r.rid for r in reqs]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -134,3 +135,10 @@ class SamplingParams:
 def _check_number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
+
+
+def derive_seed(random_seed: int, rid: str) -> int:
+    """Seed of a request that gave no ``sampling_seed``: stable across processes and runs
+    (blake2b of the engine seed and the rid), in [0, 2**63)."""
+    digest = hashlib.blake2b(f"{random_seed}\x00{rid}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)

@@ -107,6 +107,30 @@ def test_process_setup_helpers() -> None:
     maybe_set_triton_cache_manager()  # triton >= 3 here: nothing to change
 
 
+def test_port_and_address_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl's rollout imports get_open_port / get_ip from sglang.srt.utils (older upstream)
+    and from sglang.srt.utils.network (newer)."""
+    import socket
+
+    from sglang.srt.utils import get_ip, get_local_ip_auto, get_open_port
+    from sglang.srt.utils.network import get_free_port
+
+    for port in (get_open_port(), get_free_port()):
+        with socket.socket() as sock:
+            sock.bind(("", port))  # free when returned
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        monkeypatch.setenv("SGLANG_PORT", str(busy))
+        assert get_open_port() > busy  # the first free one from $SGLANG_PORT upwards
+    monkeypatch.setenv("SGLANG_HOST_IP", "10.1.2.3")
+    assert get_ip() == get_local_ip_auto() == "10.1.2.3"
+    monkeypatch.delenv("SGLANG_HOST_IP")
+    monkeypatch.delenv("HOST_IP", raising=False)
+    socket.inet_pton(socket.AF_INET6 if ":" in get_ip() else socket.AF_INET, get_ip())
+
+
 def test_set_prometheus_multiproc_dir(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     path = set_prometheus_multiproc_dir()

@@ -17,7 +17,13 @@ from sglang.srt.utils.common import (
     set_ulimit,
 )
 from sglang.srt.utils.multiprocessing_serializer import MultiprocessingSerializer
-from sglang.srt.utils.network import get_zmq_socket
+from sglang.srt.utils.network import (
+    get_free_port,
+    get_ip,
+    get_local_ip_auto,
+    get_open_port,
+    get_zmq_socket,
+)
 
 __all__ = [
     "MultiprocessingSerializer",
@@ -25,6 +31,10 @@ __all__ = [
     "assert_pkg_version",
     "configure_logger",
     "dumps",
+    "get_free_port",
+    "get_ip",
+    "get_local_ip_auto",
+    "get_open_port",
     "get_zmq_socket",
     "is_cuda",
     "is_port_available",

@@ -234,3 +234,28 @@ def test_removed_weight_version_routes_say_where_it_went(server: ServerProcess) 
     for path in ("/get_weight_version", "/weight_version"):
         response = httpx.get(server.url + path, timeout=30)
         assert "/model_info" in _error(response, 404)
+
+
+def test_start_and_stop_profile(server: ServerProcess, tmp_path: Path) -> None:
+    """Upstream's profiling endpoints: a profile of N steps stops by itself and writes one
+    trace per rank; stop writes a running one; refusals are 400s naming the reason."""
+    json_get = {"Content-Type": "application/json"}
+    gen = {"input_ids": [5, 6, 7], "sampling_params": {**GREEDY, "max_new_tokens": 4}}
+    auto = tmp_path / "auto"
+    r = _post(server, "/start_profile", {"output_dir": str(auto), "num_steps": 2})
+    assert r.status_code == 200 and r.text == "Start profiling.\n"
+    assert _post(server, "/generate", gen).status_code == 200
+    assert len(list(auto.glob("*.trace.json.gz"))) == 1  # written after its 2 steps
+    assert "not in progress" in _error(_post(server, "/stop_profile", {}), 400)
+    manual = tmp_path / "manual"
+    assert _post(server, "/start_profile", {"output_dir": str(manual),
+                                            "activities": ["CPU"]}).status_code == 200
+    assert "already in progress" in _error(_post(server, "/start_profile", {}), 400)
+    assert _post(server, "/generate", gen).status_code == 200
+    r = httpx.get(server.url + "/stop_profile", headers=json_get, timeout=60)
+    assert r.status_code == 200 and str(manual) in r.text
+    assert len(list(manual.glob("*.trace.json.gz"))) == 1
+    for body, reason in [({"profile_by_stage": True}, "profile_by_stage"),
+                         ({"activities": ["MEM"]}, "activities"), ({"num_steps": 0}, "num_steps")]:
+        assert reason in _error(_post(server, "/start_profile", body), 400)
+    assert httpx.get(server.url + "/start_profile", timeout=30).status_code == 405

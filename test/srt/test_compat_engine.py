@@ -116,3 +116,13 @@ def test_engine_from_server_args(model_dir: Path) -> None:
         assert eng.get_server_info()["max_running_requests"] == 3
         out = eng.generate(input_ids=PROMPT, sampling_params=GREEDY)
         assert out["meta_info"]["completion_tokens"] == 4
+
+
+def test_engine_profile_methods(engine: sgl.Engine, tmp_path: Path) -> None:
+    engine.start_profile(output_dir=str(tmp_path), num_steps=1, activities=["CPU"])
+    engine.generate(input_ids=PROMPT, sampling_params=GREEDY)
+    assert len(list(tmp_path.glob("*.trace.json.gz"))) == 1
+    with pytest.raises(RuntimeError, match="not in progress"):
+        engine.stop_profile()
+    with pytest.raises(ValueError, match="merge_profiles"):
+        engine.start_profile(merge_profiles=True)

@@ -34,6 +34,7 @@ from sglang.srt.managers.io_struct import (
     InitWeightsUpdateGroupReqInput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
+    ProfileReqOutput,
     ReleaseMemoryOccupationReqInput,
     ReleaseMemoryOccupationReqOutput,
     ResumeMemoryOccupationReqInput,
@@ -253,6 +254,12 @@ class FakeTokenizerManager:
         self, obj: UpdateWeightVersionReqInput
     ) -> UpdateWeightVersionReqOutput:
         return UpdateWeightVersionReqOutput(success=False, message=self.NO_WEIGHTS)
+
+    async def start_profile(self, **kwargs: Any) -> ProfileReqOutput:
+        raise RuntimeError(self.NO_WEIGHTS)
+
+    async def stop_profile(self) -> ProfileReqOutput:
+        raise RuntimeError(self.NO_WEIGHTS)
 
     async def release_memory_occupation(
         self, obj: ReleaseMemoryOccupationReqInput

@@ -385,10 +385,11 @@ class ServerArgs(UpstreamOnlyArgs):
     )
     allow_get_control_routes: bool = _arg(
         False,
-        "Also answer GET on /flush_cache, /release_memory_occupation and "
-        "/resume_memory_occupation, as upstream SGLang does (for clients that send GET, such "
-        "as slime's flush_cache). Off by default: any web page can make a browser send a GET. "
-        "A GET that a browser marks cross-site is refused (403) either way.",
+        "Answer any GET on /flush_cache, /release_memory_occupation, "
+        "/resume_memory_occupation, /start_profile and /stop_profile, as upstream SGLang does. "
+        "Off by default (any web page can make a browser send a GET), when only a GET with "
+        "Content-Type: application/json is answered (slime's and miles' flush_cache poll). A "
+        "GET that a browser marks cross-site is refused (403) either way.",
     )
 
     # Per-token entropy (docs/entropy.md)

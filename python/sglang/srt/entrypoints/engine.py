@@ -583,6 +583,17 @@ class Engine(EngineBase):
         obj = UpdateWeightVersionReqInput(new_version, abort_all_requests)
         return await self._bridge(engine_weights.update_version(self._manager(), obj))
 
+    # ---- profiling (docs/native_api.md#profiling) --------------------------------------------
+    def start_profile(self, **kwargs: Any) -> None:
+        """Start the torch profiler in every scheduler rank; ``kwargs`` as
+        ``TokenizerManager.start_profile`` (``output_dir``, ``num_steps``, ``activities``, ...).
+        RuntimeError when refused (a profile runs already), ValueError for bad arguments."""
+        self._run(self._manager().start_profile(**kwargs))
+
+    def stop_profile(self) -> None:
+        """Stop the profiler and write each rank's trace (RuntimeError when none runs)."""
+        self._run(self._manager().stop_profile())
+
     # ---- memory occupation (docs/memory.md) --------------------------------------------------
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
         """Free the KV cache and/or weights (``tags``: "kv_cache", "weights", "cuda_graph";

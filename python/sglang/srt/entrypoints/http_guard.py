@@ -56,11 +56,13 @@ _PUBLIC_PATHS = frozenset({"/health"})
 CONTROL_PATHS = frozenset({
     "/flush_cache", "/pause_generation", "/continue_generation", "/abort_request",
     "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weight_version",
-    "/release_memory_occupation", "/resume_memory_occupation",
+    "/release_memory_occupation", "/resume_memory_occupation", "/start_profile",
+    "/stop_profile",
 })
 # The control endpoints that upstream SGLang also answers on GET (--allow-get-control-routes).
 GET_CONTROL_PATHS = frozenset({
     "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation",
+    "/start_profile", "/stop_profile",
 })
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _UTF8_BOM = b"\xef\xbb\xbf"

@@ -300,6 +300,44 @@ async def abort_request(body: AbortRequestBody, request: Request) -> Response:
     return json_response(replies.abort_reply(num_aborted))
 
 
+class StartProfileBody(BaseModel):
+    """Body of /start_profile (upstream's ``ProfileReqInput``)."""
+
+    model_config = ConfigDict(strict=True)
+
+    output_dir: str | None = None
+    start_step: int | None = None
+    num_steps: int | None = None
+    activities: list[str] | None = None
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+    profile_by_stage: bool = False
+    merge_profiles: bool = False
+    profile_prefix: str | None = None
+    profile_stages: list[str] | None = None
+
+
+@router.api_route("/start_profile", methods=["GET", "POST"])
+async def start_profile(request: Request, body: StartProfileBody | None = None) -> Response:
+    """Start the torch profiler in every scheduler rank; 400 with the reason when refused.
+    POST (a GET only as docs/security.md allows for control routes)."""
+    try:
+        await _tm(request).start_profile(**(body or StartProfileBody()).model_dump())
+    except RuntimeError as e:
+        return error_response(str(e), 400)
+    return PlainTextResponse("Start profiling.\n")
+
+
+@router.api_route("/stop_profile", methods=["GET", "POST"])
+async def stop_profile(request: Request) -> Response:
+    """Stop the profiler and write the traces; 400 when none runs."""
+    try:
+        out = await _tm(request).stop_profile()
+    except RuntimeError as e:
+        return error_response(str(e), 400)
+    return PlainTextResponse(f"Stop profiling. {out.message}\n")
+
+
 @router.post("/pause_generation")
 async def pause_generation(request: Request, body: PauseGenerationBody | None = None) -> Response:
     """Pause (abort | retract | in_place, or vLLM's keep | wait); 400 for an unknown mode."""

@@ -27,6 +27,7 @@ from sglang.srt.managers.io_struct import (
     AbortReq,
     GetWeightsByNameReqInput,
     PauseGenerationReqInput,
+    ProfileReq,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
     UpdateWeightFromDiskReqInput,
@@ -127,6 +128,25 @@ def _check_get_weights(req: GetWeightsByNameReqInput) -> None:
     check_int("truncate_size", req.truncate_size, 0, 2**31 - 1)
 
 
+def _check_profile(req: ProfileReq) -> None:
+    check_choice("action", req.action, ("start", "stop"))
+    if req.output_dir is not None:
+        check_str("output_dir", req.output_dir, MAX_PATH_LEN, min_len=1)
+    for name in ("start_step", "num_steps"):
+        if getattr(req, name) is not None:
+            check_int(name, getattr(req, name), 0 if name == "start_step" else 1, 2**31 - 1)
+    if req.activities is not None:
+        check_list("activities", req.activities, 4)
+        for i, activity in enumerate(req.activities):
+            check_choice(f"activities[{i}]", activity, ("CPU", "GPU"))
+    check_bool("with_stack", req.with_stack)
+    check_bool("record_shapes", req.record_shapes)
+    if req.profile_prefix is not None:
+        check_str("profile_prefix", req.profile_prefix, MAX_LABEL_LEN)
+        if os.sep in req.profile_prefix:
+            raise InvalidRequestError("profile_prefix", "must be a file name prefix, not a path")
+
+
 def _check_memory(req: ReleaseMemoryOccupationReqInput | ResumeMemoryOccupationReqInput) -> None:
     if req.tags is None:
         return
@@ -144,6 +164,7 @@ _CHECKS: dict[type, Callable[[Any], None]] = {
     GetWeightsByNameReqInput: _check_get_weights,
     ReleaseMemoryOccupationReqInput: _check_memory,
     ResumeMemoryOccupationReqInput: _check_memory,
+    ProfileReq: _check_profile,
 }
 
 

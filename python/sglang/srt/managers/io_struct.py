@@ -640,6 +640,33 @@ class ResumeMemoryOccupationReqOutput:
     req_id: str = ""
 
 
+# ---- profiling (docs/native_api.md#profiling) ------------------------------------------------
+@dataclass
+class ProfileReq:
+    """Start (``action="start"``) or stop the torch profiler of every scheduler rank (upstream's
+    ``/start_profile`` / ``/stop_profile``). Each rank writes
+    ``{output_dir}/{profile_prefix}{profile_id}-pid{pid}.trace.json.gz`` (Chrome trace format)
+    when it stops: on ``stop``, or by itself after ``num_steps`` forward steps."""
+
+    action: str  # "start" | "stop"
+    output_dir: str | None = None
+    start_step: int | None = None  # begin at this forward step (counted since start-up)
+    num_steps: int | None = None
+    activities: list[str] | None = None  # "CPU", "GPU"; None: CPU, and GPU on CUDA
+    with_stack: bool = True
+    record_shapes: bool = True
+    profile_prefix: str | None = None
+    profile_id: str = ""
+    req_id: str = field(default_factory=_new_id)
+
+
+@dataclass
+class ProfileReqOutput:
+    success: bool
+    message: str
+    req_id: str = ""
+
+
 @dataclass
 class SchedulerReply:
     """A control reply or pause-state message of the scheduler, sent through the detokenizer,

@@ -45,6 +45,7 @@ from sglang.srt.managers.io_struct import (
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     PauseStateOutput,
+    ProfileReq,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
     TokenizedGenerateReqInput,
@@ -66,6 +67,7 @@ from sglang.srt.managers.schedule_policy import (
 )
 from sglang.srt.managers.scheduler_invariants import check_invariants
 from sglang.srt.managers.scheduler_output import OutputProcessor
+from sglang.srt.managers.scheduler_profiler import SchedulerProfiler
 from sglang.srt.managers.tp_worker import ModelWorker
 from sglang.srt.managers.weight_updater import HasModel, WeightUpdater
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -167,6 +169,7 @@ class Scheduler:
             hooks,
             custom_weight_loader=server_args.custom_weight_loader,
         )
+        self.profiler = SchedulerProfiler()
         self.dispatch = TypeBasedDispatcher(
             [
                 (TokenizedGenerateReqInput, self.handle_generate_request),
@@ -184,6 +187,7 @@ class Scheduler:
                 (LoadLoRAAdapterReqInput, self.lora_ctl.handle_load),
                 (LoadLoRAAdapterFromTensorsReqInput, self.lora_ctl.handle_load),
                 (UnloadLoRAAdapterReqInput, self.lora_ctl.handle_unload),
+                (ProfileReq, self.profiler.handle),
             ]
         )
 
@@ -221,6 +225,7 @@ class Scheduler:
         pending = self.worker.launch_batch_generation(
             batch.forward_batch, batch.sampling_info, batch.return_logprob, batch.top_logprobs_nums
         )
+        self.profiler.step()
         previous = self.in_flight
         self.in_flight = InFlightStep(batch, batch.reqs, batch.forward_mode, pending)
         if previous is not None:

@@ -18,6 +18,8 @@ import asyncio
 import copy
 import dataclasses
 import logging
+import os
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -50,6 +52,8 @@ from sglang.srt.managers.io_struct import (
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     PauseStateOutput,
+    ProfileReq,
+    ProfileReqOutput,
     ReleaseMemoryOccupationReqInput,
     ReleaseMemoryOccupationReqOutput,
     ResumeMemoryOccupationReqInput,
@@ -189,6 +193,7 @@ class TokenizerManager:
                 (ReleaseMemoryOccupationReqOutput, self._handle_control_output),
                 (ResumeMemoryOccupationReqOutput, self._handle_control_output),
                 (LoRAUpdateOutput, self._handle_control_output),
+                (ProfileReqOutput, self._handle_control_output),
                 (LoRAPauseStateOutput, self._handle_lora_pause_state),
                 (PauseStateOutput, self._handle_pause_state),
                 (SchedulerErrorOutput, self._handle_scheduler_error),
@@ -637,6 +642,48 @@ class TokenizerManager:
         """Relabel the current weights; aborts every request only when asked."""
         return await self._control(obj)
 
+    # ---- profiling (docs/native_api.md#profiling) --------------------------------------------
+    async def start_profile(
+        self,
+        output_dir: str | None = None,
+        start_step: int | None = None,
+        num_steps: int | None = None,
+        activities: list[str] | None = None,
+        with_stack: bool | None = None,
+        record_shapes: bool | None = None,
+        profile_by_stage: bool = False,
+        merge_profiles: bool = False,
+        profile_prefix: str | None = None,
+        profile_stages: list[str] | None = None,
+    ) -> ProfileReqOutput:
+        """Start the torch profiler in every scheduler rank (upstream's signature). Upstream's
+        ``profile_by_stage``, ``merge_profiles`` and ``profile_stages`` are refused when set
+        (ValueError); ``with_stack`` / ``record_shapes`` default to on, unless
+        $SGLANG_PROFILE_WITH_STACK / $SGLANG_PROFILE_RECORD_SHAPES say false. RuntimeError when
+        a rank refuses (one is running already, GPU asked without CUDA, ...)."""
+        unsupported = [name for name, value in (("profile_by_stage", profile_by_stage),
+                                                ("merge_profiles", merge_profiles),
+                                                ("profile_stages", profile_stages)) if value]
+        if unsupported:
+            raise ValueError(f"not supported by this engine: {', '.join(unsupported)}")
+        req = ProfileReq(
+            "start", output_dir, start_step, num_steps, activities,
+            with_stack=with_stack is not False and _env_flag("SGLANG_PROFILE_WITH_STACK"),
+            record_shapes=record_shapes is not False and _env_flag("SGLANG_PROFILE_RECORD_SHAPES"),
+            profile_prefix=profile_prefix, profile_id=str(time.time()),
+        )
+        return self._profile_result(await self._control(req))
+
+    async def stop_profile(self) -> ProfileReqOutput:
+        """Stop the profiler in every rank and write the traces. RuntimeError when none runs."""
+        return self._profile_result(await self._control(ProfileReq("stop")))
+
+    @staticmethod
+    def _profile_result(out: ProfileReqOutput) -> ProfileReqOutput:
+        if not out.success:
+            raise RuntimeError(out.message)
+        return out
+
     # ---- memory occupation (docs/memory.md) --------------------------------------------------
     async def release_memory_occupation(
         self, obj: ReleaseMemoryOccupationReqInput, request: fastapi.Request | None = None
@@ -853,3 +900,8 @@ def _think_end_id(tokenizer: Any, reasoning_parser: str | None) -> int | None:
     token_id = tokenizer.convert_tokens_to_ids(marker)
     unk = getattr(tokenizer, "unk_token_id", None)
     return token_id if isinstance(token_id, int) and token_id != unk else None
+
+
+def _env_flag(name: str) -> bool:
+    """An on/off environment variable that defaults to on ("0", "false", "no", "off": off)."""
+    return os.environ.get(name, "true").strip().lower() not in ("0", "false", "no", "off")

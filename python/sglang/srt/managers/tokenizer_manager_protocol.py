@@ -31,6 +31,7 @@ from sglang.srt.managers.io_struct import (
     InitWeightsUpdateGroupReqInput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
+    ProfileReqOutput,
     ReleaseMemoryOccupationReqInput,
     ReleaseMemoryOccupationReqOutput,
     ResumeMemoryOccupationReqInput,
@@ -150,6 +151,24 @@ class TokenizerManagerProtocol(Protocol):
     async def update_weight_version(
         self, obj: UpdateWeightVersionReqInput
     ) -> UpdateWeightVersionReqOutput: ...
+
+    async def start_profile(
+        self,
+        output_dir: str | None = None,
+        start_step: int | None = None,
+        num_steps: int | None = None,
+        activities: list[str] | None = None,
+        with_stack: bool | None = None,
+        record_shapes: bool | None = None,
+        profile_by_stage: bool = False,
+        merge_profiles: bool = False,
+        profile_prefix: str | None = None,
+        profile_stages: list[str] | None = None,
+    ) -> ProfileReqOutput:
+        """Start the torch profiler in every scheduler rank (docs/native_api.md#profiling)."""
+
+    async def stop_profile(self) -> ProfileReqOutput:
+        """Stop it and write the traces."""
 
     async def release_memory_occupation(
         self, obj: ReleaseMemoryOccupationReqInput

@@ -96,7 +96,9 @@ def test_upstream_request_conveniences(server: ServerProcess) -> None:
                                                                  "stream_interval": interval}})
         events = [json.loads(line[6:]) for line in stream.text.splitlines()
                   if line.startswith("data: {")]
-        assert [len(e["output_ids"]) for e in events] == sizes
+        counts = [len(e["output_ids"]) for e in events]
+        # The scheduler sends at these counts; a slow reader may get several in one event.
+        assert set(counts) <= set(sizes) and counts[-1] == 6 and counts == sorted(counts)
 
 
 @pytest.mark.parametrize("start", [None, -1, 4])
@@ -204,6 +206,7 @@ def test_tools_reach_the_chat_template() -> None:
 
     class TM:
         tokenizer = RecordingTokenizer()
+        model_path = "no-such-model"  # no generation_config.json: OpenAI's sampling defaults
 
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     chat = OpenAIServingChat(TM(), None, None)

@@ -117,7 +117,10 @@ def test_verl_0510_launch_returns_upstreams_tuple(tiny_model_dir: Callable[..., 
                                        return_logprob=True, sampling_params={
                                            "temperature": 0, "max_new_tokens": 4,
                                            "ignore_eos": True})
-            return await tokenizer_manager.generate_request(request, None).__anext__()
+            try:
+                return await tokenizer_manager.generate_request(request, None).__anext__()
+            finally:
+                await tokenizer_manager.close()  # its sockets belong to this loop
 
         out = asyncio.run(generate())
         assert len(out["output_ids"]) == len(out["meta_info"]["output_token_logprobs"]) == 4

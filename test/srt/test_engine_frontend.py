@@ -4,7 +4,10 @@ and the TokenizerManager's request routing against an in-process fake scheduler.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import zmq
@@ -493,3 +496,29 @@ def test_dead_process_is_noticed(byte_tok_dir: str) -> None:
             await pending
 
     _run_with_fake(byte_tok_dir, body)
+
+
+def test_a_manager_never_closed_is_collected_without_blocking(tmp_path) -> None:
+    """A started TokenizerManager whose loop ended without close() (a caller that forgot it)
+    must not block the garbage collection that frees it: zmq's term() waits for open sockets,
+    so its sockets are closed by a finalizer. In a subprocess, where a hang is a timeout."""
+    script = tmp_path / "collect.py"
+    script.write_text(
+        "import asyncio, gc, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2] / 'python')!r})\n"
+        "from sglang.srt.managers.tokenizer_manager import TokenizerManager\n"
+        "from sglang.srt.server_args import PortArgs, ServerArgs\n"
+        "args = ServerArgs(model_path='m', device='cpu', skip_tokenizer_init=True)\n"
+        "info = {'context_length': 64, 'vocab_size': 100, 'max_req_input_len': 60}\n"
+        "tm = TokenizerManager(args, PortArgs.init_new(), info)\n"
+        "async def run():\n"
+        "    tm.start()\n"
+        "    await asyncio.sleep(0.05)\n"
+        "asyncio.run(run())\n"
+        "del tm\n"
+        "gc.collect()\n"
+        "print('collected')\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and "collected" in done.stdout, done.stderr

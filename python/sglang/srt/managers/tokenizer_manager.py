@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import time
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -175,6 +176,7 @@ class TokenizerManager:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._context: zmq.asyncio.Context | None = None
+        self._zmq_finalizer: weakref.finalize | None = None  # closes the sockets (start())
         self._send_socket: zmq.asyncio.Socket | None = None
         self._recv_socket: zmq.asyncio.Socket | None = None
         self._dispatcher = TypeBasedDispatcher(
@@ -221,6 +223,12 @@ class TokenizerManager:
             self._context, zmq.PULL, self.port_args.tokenizer_ipc_name, bind=True
         )
         self._tasks = [loop.create_task(self._recv_loop()), loop.create_task(self._watch_loop())]
+        # Closes the sockets and context on close(), or when a manager never closed is
+        # collected: zmq's term() would otherwise block that collection (and the process)
+        # forever on the still-open sockets.
+        self._zmq_finalizer = weakref.finalize(
+            self, _close_zmq, self._context, [self._send_socket, self._recv_socket]
+        )
 
     def watch_processes(self, procs: list[Any]) -> None:
         """Fail every caller when one of ``procs`` (objects with ``is_alive()``) exits."""
@@ -238,12 +246,9 @@ class TokenizerManager:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        if self._context is not None:
-            for sock in (self._send_socket, self._recv_socket):
-                if sock is not None:
-                    sock.close(linger=0)
-            self._context.term()
-            self._context = None
+        if self._zmq_finalizer is not None:
+            self._zmq_finalizer()
+            self._context, self._zmq_finalizer = None, None
 
     # ---- generation --------------------------------------------------------------------------
     async def generate_request(
@@ -905,3 +910,10 @@ def _think_end_id(tokenizer: Any, reasoning_parser: str | None) -> int | None:
 def _env_flag(name: str) -> bool:
     """An on/off environment variable that defaults to on ("0", "false", "no", "off": off)."""
     return os.environ.get(name, "true").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _close_zmq(context: zmq.asyncio.Context, sockets: list[zmq.asyncio.Socket]) -> None:
+    """Close ``sockets`` (unsent messages dropped) and terminate ``context``."""
+    for sock in sockets:
+        sock.close(linger=0)
+    context.term()

@@ -16,12 +16,12 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from sglang.srt import environ
 from sglang.srt.managers.io_struct import ProfileReq, ProfileReqOutput
 
 logger = logging.getLogger(__name__)
 
-# Where traces go without an ``output_dir`` (upstream's variable, then its default).
-PROFILER_DIR_ENV = "SGLANG_TORCH_PROFILER_DIR"
+# Where traces go without an ``output_dir`` nor $SGLANG_TORCH_PROFILER_DIR (upstream's default).
 DEFAULT_PROFILER_DIR = "/tmp"
 _ACTIVITIES = {"CPU": ProfilerActivity.CPU, "GPU": ProfilerActivity.CUDA}
 
@@ -137,4 +137,4 @@ def _check_steps(req: ProfileReq) -> None:
 
 
 def _output_dir(req: ProfileReq) -> str:
-    return req.output_dir or os.environ.get(PROFILER_DIR_ENV) or DEFAULT_PROFILER_DIR
+    return req.output_dir or environ.torch_profiler_dir() or DEFAULT_PROFILER_DIR

@@ -18,7 +18,6 @@ import asyncio
 import copy
 import dataclasses
 import logging
-import os
 import time
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
+from sglang.srt import environ
 from sglang.srt.hf_transformers_utils import get_tokenizer
 from sglang.srt.managers.control_validation import check_control_request
 from sglang.srt.managers.field_checks import InvalidRequestError
@@ -671,10 +671,12 @@ class TokenizerManager:
                                                 ("profile_stages", profile_stages)) if value]
         if unsupported:
             raise ValueError(f"not supported by this engine: {', '.join(unsupported)}")
+        stack = with_stack is not False and environ.profile_flag("SGLANG_PROFILE_WITH_STACK")
+        shapes = record_shapes is not False and environ.profile_flag(
+            "SGLANG_PROFILE_RECORD_SHAPES")
         req = ProfileReq(
             "start", output_dir, start_step, num_steps, activities,
-            with_stack=with_stack is not False and _env_flag("SGLANG_PROFILE_WITH_STACK"),
-            record_shapes=record_shapes is not False and _env_flag("SGLANG_PROFILE_RECORD_SHAPES"),
+            with_stack=stack, record_shapes=shapes,
             profile_prefix=profile_prefix, profile_id=str(time.time()),
         )
         return self._profile_result(await self._control(req))
@@ -905,11 +907,6 @@ def _think_end_id(tokenizer: Any, reasoning_parser: str | None) -> int | None:
     token_id = tokenizer.convert_tokens_to_ids(marker)
     unk = getattr(tokenizer, "unk_token_id", None)
     return token_id if isinstance(token_id, int) and token_id != unk else None
-
-
-def _env_flag(name: str) -> bool:
-    """An on/off environment variable that defaults to on ("0", "false", "no", "off": off)."""
-    return os.environ.get(name, "true").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _close_zmq(context: zmq.asyncio.Context, sockets: list[zmq.asyncio.Socket]) -> None:

@@ -3,12 +3,12 @@ import (upstream's ``sglang.srt.utils.network``)."""
 
 from __future__ import annotations
 
-import os
 import socket
 
 import zmq
 import zmq.asyncio
 
+from sglang.srt import environ
 from sglang.srt.utils.common import is_port_available
 
 
@@ -44,10 +44,9 @@ def get_free_port() -> int:
 def get_open_port() -> int:
     """As upstream: the first free port from ``$SGLANG_PORT`` upwards when it is set, else
     :func:`get_free_port`."""
-    start = os.environ.get("SGLANG_PORT")
-    if start is None:
+    port = environ.start_port()
+    if port is None:
         return get_free_port()
-    port = int(start)
     while not is_port_available(port):
         port += 1
     return port
@@ -57,9 +56,9 @@ def get_ip() -> str:
     """This machine's outward IP address: ``$SGLANG_HOST_IP`` / ``$HOST_IP`` when set, else the
     source address of a route to a public address (a UDP connect sends nothing), else
     127.0.0.1."""
-    for name in ("SGLANG_HOST_IP", "HOST_IP"):
-        if os.environ.get(name):
-            return os.environ[name]
+    stated = environ.host_ip()
+    if stated is not None:
+        return stated
     for family, target in ((socket.AF_INET, "8.8.8.8"), (socket.AF_INET6, "2001:4860:4860::8888")):
         try:
             with socket.socket(family, socket.SOCK_DGRAM) as sock:

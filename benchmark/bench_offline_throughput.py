@@ -193,10 +193,11 @@ def engine_line(label: str, result: EngineResult) -> str:
 
 
 def flush_prefix_cache(engine: Any) -> None:
-    """Empty the engine's prefix cache (it is idle here, so a refusal is a bug: raised)."""
+    """Empty the prefix cache of ``engine`` (an Engine or a Scheduler) before a timed run; it
+    is idle here, so a refusal is a bug and raises."""
     result = engine.flush_cache()
     if not result.success:
-        raise RuntimeError(f"flush_cache refused between timed runs: {result.error_msg}")
+        raise RuntimeError(f"flush_cache refused before a timed run: {result.error_msg}")
 
 
 def median_rate(

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_offline_throughput import add_workload_shape_args, make_workload
+from bench_offline_throughput import add_workload_shape_args, flush_prefix_cache, make_workload
 
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.schedule_batch import ForwardMode
@@ -126,10 +126,7 @@ def main() -> None:
     submit(core, "warm-up", work[0][0], 8)
     while core.has_runnable_work():
         core.run_step()
-    # Not served from the prefix cache in the timed run (bench_offline_throughput flushes too).
-    flushed = core.flush_cache()
-    if not flushed.success:
-        raise RuntimeError(f"flush_cache refused after the warm-up: {flushed.error_msg}")
+    flush_prefix_cache(core)  # the timed run is not served from the cache (as the engine's)
 
     forward_s: dict[str, float] = {}
     run_forward = core.worker.launch_batch_generation

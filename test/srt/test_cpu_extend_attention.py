@@ -25,9 +25,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 # (cached prefix, new tokens) per request: no prefix and a prefix, a lone new token, lengths
-# that are not multiples of the kernel's blocks (32 keys / 32 rows; on the brgemm path 128
-# keys / 64 rows), requests of many blocks (three key blocks on the brgemm path: 290 keys).
-REQUESTS = [(0, 45), (37, 70), (5, 1), (0, 1), (130, 33), (0, 97), (64, 64), (200, 90)]
+# that are not multiples of the kernel's blocks (32 keys, items of 32-128 new tokens; on the
+# brgemm path 128 keys / 64 rows), requests of many blocks (three key blocks on the brgemm
+# path: 290 keys), split into the fewest items of a short request (4 x 75 rows) and into items
+# of up to 128 rows (5 x 120).
+REQUESTS = [
+    (0, 45), (37, 70), (5, 1), (0, 1), (130, 33), (0, 97), (64, 64), (200, 90), (40, 300),
+    (0, 600),
+]
 
 
 def _pool_batch(
@@ -178,6 +183,26 @@ def test_threads_give_identical_results(dtype: torch.dtype, tiles: bool) -> None
     expected = _reference(q, *operands, 0.125)
     tol = 1e-5 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(one.double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_request_result_does_not_depend_on_the_batch(dtype: torch.dtype) -> None:
+    """A request's work items depend on its own lengths only: alone or in a batch (of shorter
+    and longer requests) it gets the same bits."""
+    assert load_kernel()
+    torch.manual_seed(2)
+    requests = [(0, 600), (16, 9), (40, 300), (3, 130)]
+    k_cache, v_cache, table, rows, prefix_lens, extend_lens = _pool_batch(requests, 3, 64, dtype)
+    q = torch.randn(int(extend_lens.sum()), 9 * 64).to(dtype)
+    batch = extend_attention(q, k_cache, v_cache, table, rows, prefix_lens, extend_lens, 0.125)
+    start = 0
+    for i, new in enumerate(extend_lens.tolist()):
+        alone = extend_attention(
+            q[start : start + new], k_cache, v_cache, table, rows[i : i + 1],
+            prefix_lens[i : i + 1], extend_lens[i : i + 1], 0.125,
+        )
+        assert torch.equal(alone, batch[start : start + new]), requests[i]
+        start += new
 
 
 def test_rejects_inconsistent_operands() -> None:

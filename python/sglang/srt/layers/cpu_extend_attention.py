@@ -132,8 +132,8 @@ inline vf exp_nonpositive(vf x) {
 
 constexpr int64_t kKeyBlock = 32;  // keys per block of the online softmax
 // A request's new tokens are split into work items of at most kQueryRows, and into at least
-// kMinItems (of kMinQueryRows or more) so that a short prompt still gives the threads work to
-// share (item_blocks).
+// kMinItems where it has more than (kMinItems - 1) * kMinQueryRows (one item per kMinQueryRows
+// where fewer), so that a short prompt still gives the threads work to share (item_blocks).
 constexpr int64_t kQueryRows = 128;
 constexpr int64_t kMinQueryRows = 32;
 constexpr int64_t kMinItems = 4;

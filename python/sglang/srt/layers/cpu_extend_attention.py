@@ -883,8 +883,8 @@ bool float_or_bf16(const at::Tensor& t) {
 // Work items (per KV head) for a request's n new tokens on the vector paths. An item reads
 // every K/V row its last token sees, so bigger items read each row fewer times: 128 rows
 // against 32 ran 1.04-1.14x on SmolLM2's heads for 16 prompts of 800-1,600 tokens, whose K/V
-// come from L3 or memory (float32 and bfloat16). The count depends on n alone, so a request's
-// result does not depend on the batch or the threads.
+// come from L3 or memory (float32 and bfloat16, 1-2 threads). The count depends on n alone,
+// so a request's result does not depend on the batch or the threads.
 int64_t item_blocks(int64_t n) {
   const int64_t fewest = std::min(kMinItems, (n + kMinQueryRows - 1) / kMinQueryRows);
   return std::max((n + kQueryRows - 1) / kQueryRows, fewest);

@@ -22,7 +22,7 @@ from sglang.srt.layers.attention.torch_native_backend import PagedDecodeMetadata
 from sglang.srt.layers.cpu_prepack import enable_cpu_weight_prepack
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import linear
-from sglang.srt.layers.logits_processor import LogitsProcessor
+from sglang.srt.layers.logits_processor import LogitsProcessor, last_token_rows
 from sglang.srt.layers.rotary_embedding import get_rope
 from sglang.srt.models.registry import get_model_class
 
@@ -255,6 +255,71 @@ def test_input_logprobs_after_cached_prefix() -> None:
     expected = ref.gather(1, torch.tensor(prompt[6:])[:, None]).squeeze(1)
     torch.testing.assert_close(out.input_token_logprobs, expected, atol=1e-4, rtol=1e-4)
     assert out.input_top_logprobs_val is None
+
+
+def _mlp_rows(model: torch.nn.Module) -> tuple[list[int], object]:
+    """The row count each decoder layer's MLP sees, in call order, and the hooks' remover."""
+    seen: list[int] = []
+    handles = [
+        layer.mlp.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[0]))
+        for layer in model.model.layers
+    ]
+    return seen, lambda: [h.remove() for h in handles]
+
+
+def test_prefill_runs_last_layer_past_attention_on_last_tokens(models) -> None:
+    """Only each request's last token feeds the LM head, so the last layer's output projection
+    and MLP run on those rows alone; its K/V are still written for every token (the decode
+    after it matches the full pass) and the logits are the full pass's."""
+    _, model = models
+    reqs = [(f"r{i}", p) for i, p in enumerate(PROMPTS)]
+    num_tokens = sum(len(p) for p in PROMPTS)
+    pruned, full = BatchBuilder(model.config), BatchBuilder(model.config)
+    seen, remove = _mlp_rows(model)
+    try:
+        out = pruned.run(model, pruned.extend(reqs))
+        assert seen == [num_tokens] * (len(model.model.layers) - 1) + [len(PROMPTS)]
+        seen.clear()
+        batch = full.extend(reqs)
+        batch.attn_backend = full.backend
+        full.backend.init_forward_metadata(batch)
+        with torch.no_grad():  # the model's layers without the row selection
+            hidden = model.model(batch.input_ids, batch.positions, batch)
+            ref = model.logits_processor(hidden, model.lm_head.weight, batch)
+        assert seen == [num_tokens] * len(model.model.layers)
+    finally:
+        remove()
+    torch.testing.assert_close(out.next_token_logits, ref.next_token_logits, atol=1e-5, rtol=1e-5)
+    tokens = [(rid, int(t)) for (rid, _), t in zip(reqs, out.next_token_logits.argmax(-1))]
+    got = pruned.run(model, pruned.decode(tokens)).next_token_logits
+    expected = full.run(model, full.decode(tokens)).next_token_logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_last_layer_keeps_every_row_where_they_are_needed() -> None:
+    """Prompt logprobs need every row's hidden state, one-token extends and decode have only
+    last rows, and a LoRA step's row groups index all tokens: no selection there."""
+    hf_model = make_hf_model("llama")
+    model = load_from_hf(get_model_class(["LlamaForCausalLM"]), hf_model)
+    builder = BatchBuilder(model.config)
+    seen, remove = _mlp_rows(model)
+    try:
+        batch = builder.extend([("a", PROMPTS[0]), ("b", PROMPTS[2])])
+        set_input_logprobs(batch, [0, 1], PROMPTS[0][1:3])
+        builder.run(model, batch)
+        assert seen == [10, 10]
+        seen.clear()
+        builder.run(model, builder.extend([("c", [4]), ("d", [9])]))
+        builder.run(model, builder.decode([("a", 3), ("b", 4)]))
+        assert seen == [2, 2, 2, 2]
+    finally:
+        remove()
+    batch = builder.extend([("e", PROMPTS[1]), ("f", PROMPTS[2])])
+    assert last_token_rows(batch).tolist() == [12, 15]
+    batch.lora_names = [None, None]
+    assert last_token_rows(batch).tolist() == [12, 15]
+    batch.lora_names = [None, "adapter"]
+    assert last_token_rows(batch) is None
 
 
 ROPE_CASES = {

@@ -224,7 +224,7 @@ class ServerArgs(UpstreamOnlyArgs):
         "up to 1/16 of the machine's memory (at least 1 GiB), and is given back when the KV "
         "cache or weights are released). It also skips the start-up memory warm-up "
         "(torch_native attention, outside deterministic mode), which otherwise touches the "
-        "heap a full prefill chunk needs (a throwaway prefill through two decoder layers) and "
+        "heap a full prefill chunk needs (a throwaway prefill through three decoder layers) and "
         "the KV pool's first 4 x --chunked-prefill-size slots, so that the first requests do "
         "not pay for first page faults (see docs/performance.md).",
     )

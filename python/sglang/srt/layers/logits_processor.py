@@ -34,6 +34,33 @@ class LogitsProcessorOutput:
     input_top_logprobs_idx: torch.Tensor | None = None  # [R, K] int64 token ids
 
 
+def _last_rows(forward_batch: ForwardBatch, device: torch.device) -> torch.Tensor:
+    """``[B]`` int64: the row of each request's last new token among the batch's tokens."""
+    ends = torch.tensor(forward_batch.extend_seq_lens_cpu, device=device)
+    return ends.cumsum(0) - 1
+
+
+def last_token_rows(forward_batch: ForwardBatch) -> torch.Tensor | None:
+    """The rows of the batch's tokens whose final hidden states are all that the logits need
+    (the last new token of each request), or None where every row is needed or kept anyway.
+
+    A model may then run its last decoder layer past attention (which needs every token's K/V
+    and queries) on these rows only, and pass ``rows_are_last=True`` to the logits processor.
+    None in DECODE and wherever each request has one new token (every row is a last one), when
+    prompt logprobs are asked (they need every row), and when a LoRA adapter serves the step
+    (its row groups index all of the step's tokens). The kept rows' values are those of the
+    full pass up to the rounding of the products (fewer rows may take another kernel, as in
+    any smaller batch).
+    """
+    if forward_batch.is_decode or forward_batch.input_logprob_rows is not None:
+        return None
+    if forward_batch.batch_size == forward_batch.num_tokens:
+        return None
+    if any(name is not None for name in forward_batch.lora_names or ()):
+        return None
+    return _last_rows(forward_batch, forward_batch.input_ids.device)
+
+
 class LogitsProcessor(nn.Module):
     """Computes logits only where they are needed.
 
@@ -69,18 +96,21 @@ class LogitsProcessor(nn.Module):
         hidden_states: torch.Tensor,
         lm_head_weight: torch.Tensor,
         forward_batch: ForwardBatch,
+        rows_are_last: bool = False,
     ) -> LogitsProcessorOutput:
         """Logits of the last new token of every request, plus prompt logprobs if asked.
 
-        ``hidden_states`` is ``[num_tokens, H]`` (final norm applied). In DECODE every row is a
-        last token; in EXTEND the last token of request i is row
+        ``hidden_states`` is ``[num_tokens, H]`` (final norm applied), or with
+        ``rows_are_last`` ``[B, H]``: the rows of :func:`last_token_rows` only. In DECODE every
+        row is a last token; in EXTEND the last token of request i is row
         ``sum(extend_seq_lens_cpu[: i + 1]) - 1``. Nothing is mutated.
         """
-        if forward_batch.is_decode:
+        if forward_batch.is_decode or rows_are_last:
             last_hidden = hidden_states
         else:
-            ends = torch.tensor(forward_batch.extend_seq_lens_cpu, device=hidden_states.device)
-            last_hidden = hidden_states.index_select(0, ends.cumsum(0) - 1)
+            last_hidden = hidden_states.index_select(
+                0, _last_rows(forward_batch, hidden_states.device)
+            )
         output = LogitsProcessorOutput(next_token_logits=self._logits(last_hidden, lm_head_weight))
         if forward_batch.input_logprob_rows is not None:
             self._fill_input_logprobs(output, hidden_states, lm_head_weight, forward_batch)

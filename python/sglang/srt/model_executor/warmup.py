@@ -12,7 +12,7 @@ process will write anyway, before the first request:
   ``--chunked-prefill-size``; the allocator hands out the lowest free slots first, and the
   radix cache keeps filling the pool until it is full, so every slot is written sooner or
   later);
-- the heap's working size: a prefill of one chunk through the first two decoder layers only
+- the heap's working size: a prefill of one chunk through the first three decoder layers only
   grows the heap to what a full prefill chunk needs (each layer allocates the same temporaries
   and frees them before the next one), and the heap keeps that memory for reuse
   (utils/cpu_malloc.py).
@@ -48,8 +48,11 @@ DUMMY_SLOT = 0
 # costs little next to its linear layers.
 _WARMUP_REQUEST_TOKENS = 256
 # Decoder layers the memory warm-up's prefill runs through: the second one already sees the
-# heap as every later layer does (the first layer's outputs held as the residual stream).
-_WARMUP_LAYERS = 2
+# heap as every middle layer does (the first layer's outputs held as the residual stream); the
+# last one runs past its attention on each request's last token only (models/llama.py), so it
+# takes a third (two layers grew the heap by 306 MiB of the 402 a float32 SmolLM2 prefill of
+# 8,192 tokens needs).
+_WARMUP_LAYERS = 3
 # KV slots faulted in at start-up, in prefill chunks.
 _PREFAULT_CHUNKS = 4
 

@@ -37,7 +37,11 @@ from sglang.srt.layers.linear import (
     get_weight_loader,
     kv_heads_per_rank,
 )
-from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from sglang.srt.layers.logits_processor import (
+    LogitsProcessor,
+    LogitsProcessorOutput,
+    last_token_rows,
+)
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_params_from_config
 from sglang.srt.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -192,11 +196,17 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         forward_batch: ForwardBatch,
         residual: torch.Tensor | None,
+        keep_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(mlp output, residual stream)``; their sum is the layer's output."""
+        """Returns ``(mlp output, residual stream)``; their sum is the layer's output. With
+        ``keep_rows`` (the last layer, see LlamaModel.forward) both hold those rows only: every
+        token's K/V is written and attended as before, the rest of the layer runs on them."""
         rope_stores = self.self_attn.rotary_emb.stores_kv(positions, forward_batch.token_to_kv_pool)
         q, k, v, residual = self.pre_attention(positions, hidden_states, residual, not rope_stores)
         attn_out = self.self_attn.attend(positions, q, k, v, forward_batch, rope_stores)
+        if keep_rows is not None:
+            attn_out = attn_out.index_select(0, keep_rows)
+            residual = residual.index_select(0, keep_rows)
         return self.post_attention(attn_out, residual)
 
     # The layer around its attention call, as two functions of tensors only (no ForwardBatch):
@@ -251,16 +261,26 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        keep_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-norm hidden states ``[num_tokens, hidden_size]``."""
+        """Final-norm hidden states ``[num_tokens, hidden_size]``, or with ``keep_rows`` those
+        rows only: the last layer runs its output projection and MLP on them alone (in a
+        prefill, where only each request's last token feeds the LM head, that skips ~0.8 of a
+        layer's products for every other prompt token)."""
         self.rotary_emb.start_forward()
         hidden_states = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            rows = keep_rows if i == last else None
+            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual, rows)
         if residual is None:  # a model without layers
-            return self.norm(hidden_states)
+            hidden_states = self.norm(hidden_states)
+            return hidden_states if keep_rows is None else hidden_states.index_select(0, keep_rows)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -305,8 +325,11 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> LogitsProcessorOutput:
         """Run all layers over the batch's new tokens (writing their K/V to the pool)."""
-        hidden_states = self.model(input_ids, positions, forward_batch)
-        return self.logits_processor(hidden_states, self.lm_head.weight, forward_batch)
+        rows = last_token_rows(forward_batch)
+        hidden_states = self.model(input_ids, positions, forward_batch, rows)
+        return self.logits_processor(
+            hidden_states, self.lm_head.weight, forward_batch, rows_are_last=rows is not None
+        )
 
     def _map_weight_name(self, name: str) -> tuple[str, Hashable | None]:
         for checkpoint_part, fused_part, shard_id in self.stacked_params_mapping:

@@ -14,7 +14,7 @@ import torch
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.managers.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput
-from sglang.srt.managers.req_kv import ReqKV
+from sglang.srt.managers.req_kv import ReqKV, decode_run_length
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.tp_worker import GenerationBatchResult
 from sglang.srt.managers.weight_state import WeightState
@@ -172,6 +172,7 @@ def make_core(
         cache,
         args.page_size,
         WeightState(version=args.weight_version),
+        decode_run=decode_run_length(args.device, args.page_size, runner.allocator.size),
     )
     worker = FakeWorker(model_config.vocab_size)
     sink = OutputSink()

@@ -113,6 +113,8 @@ class Req:
         self.extend_len = 0  # tokens computed by the current extend step
         self.is_chunked = False  # True while a chunked prefill has more chunks to go
         self.kv_generation = 0  # weight generation under which the KV held now began
+        # Slots reserved for its next decode tokens, the next one last (ReqKV.alloc_decode)
+        self.decode_slots: list[int] = []
 
         # Accounting and output
         self.cached_tokens = 0
@@ -371,7 +373,7 @@ class ScheduleBatch:
         # stream order, so also the slot a step in flight is filling), with no host sync.
         table = self.kv.req_to_token_pool.req_to_token
         last_locs = table[pool_indices, positions - 1] if self.kv.page_size > 1 else [-1] * n
-        out_cache_loc = self.kv.alloc_decode(seq_lens, last_locs)
+        out_cache_loc = self.kv.alloc_decode(self.reqs, seq_lens, last_locs)
         if out_cache_loc is None:
             return None
         if ahead is not None:
@@ -396,8 +398,7 @@ class ScheduleBatch:
         """Free slots the next decode step of ``reqs`` (default: all) needs; ``ahead``: the
         step after the one in flight (see :meth:`prepare_for_decode`)."""
         reqs = self.reqs if reqs is None else reqs
-        pages = self.kv.allocator.num_pages_needed_decode([r.seq_len + ahead for r in reqs])
-        return pages * self.kv.page_size
+        return self.kv.decode_slots_needed(reqs, [r.seq_len + ahead for r in reqs])
 
     # ---- composition ------------------------------------------------------------------------
     def filter(self, keep: list[Req]) -> None:

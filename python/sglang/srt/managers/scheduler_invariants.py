@@ -3,7 +3,8 @@
 Owners of the ``allocator.size`` usable KV slots (whole pages), at every loop-turn boundary::
 
     free list  +  prefix cache (evictable + protected + stale)  +  admitted requests' private
-    pages ([prefix_len, kv_len), a partial last page counted whole)  ==  allocator.size
+    pages ([prefix_len, kv_len), a partial last page counted whole, and the decode slots it
+    reserved)  ==  allocator.size
 
 (a request in the decode step in flight, in the overlap schedule, also holds that step's slot:
 ``[prefix_len, kv_len + 1)``)
@@ -46,6 +47,7 @@ def check_invariants(
     for req in waiting_queue:
         _check(req.status is ReqStatus.WAITING, f"{req} queued with status {req.status}")
         _check(req.req_pool_idx is None and req.cache_handle is None, f"queued {req} holds KV")
+        _check(not req.decode_slots, f"queued {req} holds reserved decode slots")
     for req in holders:
         _check(req.status in _HOLDING, f"admitted {req} has status {req.status}")
         _check(req.req_pool_idx is not None, f"admitted {req} has no pool row")
@@ -61,6 +63,11 @@ def check_invariants(
     rows_used = pool.size - pool.available_size()
     _check(rows_used == len(holders), f"{rows_used} pool rows in use, {len(holders)} holders")
 
+    reserved = sum(len(r.decode_slots) for r in holders)
+    _check(
+        reserved == kv.reserved_slots,
+        f"{reserved} decode slots reserved, {kv.reserved_slots} counted",
+    )
     cache = kv.tree_cache
     private = sum(kv.num_private_slots(r, id(r) in ahead) for r in holders)
     free = kv.allocator.available_size()

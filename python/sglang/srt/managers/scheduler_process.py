@@ -36,7 +36,7 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.overlap import overlap_off_reason
 from sglang.srt.managers.rank_weight_sync import RankWeightSync
-from sglang.srt.managers.req_kv import ReqKV
+from sglang.srt.managers.req_kv import ReqKV, decode_run_length
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.tp_group_io import (
     TpReplies,
@@ -89,6 +89,9 @@ def build_scheduler(
         tree_cache,
         server_args.page_size,
         WeightState(version=server_args.weight_version),
+        decode_run=decode_run_length(
+            server_args.device, server_args.page_size, runner.allocator.size
+        ),
     )
     overlap_off = overlap_off_reason(server_args)
     if overlap_off is not None and torch.device(server_args.device).type == "cuda":

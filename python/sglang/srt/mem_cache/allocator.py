@@ -171,6 +171,13 @@ class TokenToKVPoolAllocator:
         new_slots = pages.index_select(0, page_idx.clamp(min=0).to(self.device)) * ps + j_d % ps
         return torch.where(j_d < 0, partial_slots, new_slots)
 
+    def alloc_slots(self, num_slots: int) -> torch.Tensor | None:
+        """``num_slots`` slots of a pool with page_size 1, from the front of the free list
+        (kept sorted, so mostly consecutive); None, taking nothing, when too few are free."""
+        if self.page_size != 1:
+            raise ValueError("alloc_slots needs page_size 1")
+        return self._take_pages(num_slots)
+
     def alloc_decode(self, seq_lens: IntSeq, last_locs: IntSeq) -> torch.Tensor | None:
         """One slot per request for its new token at position ``seq_lens[i]-1``.
 

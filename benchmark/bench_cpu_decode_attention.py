@@ -2,8 +2,11 @@
 decode mirror (what ``--disable-cpu-attention-kernel`` runs).
 
 SmolLM2-135M's heads (9 query heads, 3 KV heads, head dim 64). Each request's keys sit in the
-pool as a real decode leaves them: its prompt's slots consecutive, the tokens it decoded
-interleaved with the other requests' (one slot per request per step). SDPA gets the same keys
+pool as a real decode leaves them: its prompt's slots consecutive, then the tokens it decoded
+in runs of ``--decode-run`` consecutive slots (the engine's decode runs on CPU, 32 slots: see
+``ReqKV.alloc_decode``), the runs of the requests interleaved as the steps take them;
+``--decode-run 1`` interleaves the decoded tokens one slot per request per step, as a pool
+without decode runs (a GPU's, or before them) leaves them. SDPA gets the same keys
 as the mirror holds them (dense ``[rows, len_cap, KVH, D]`` buckets read as transposed
 ``[b, KVH, len, D]`` views, with the key mask). Row lengths are drawn from ``[0.8 len, len]``.
 Each measurement cycles over enough layers that their K/V exceed the last-level cache (as in a
@@ -46,9 +49,10 @@ class Layer:
     dense_v: torch.Tensor
 
 
-def _slot_table(lens: torch.Tensor) -> torch.Tensor:
-    """[b, max_len] slots: each row's prompt consecutive, then its decoded tokens interleaved
-    with the other rows' (slot 0 is the pool's dummy)."""
+def _slot_table(lens: torch.Tensor, decode_run: int) -> torch.Tensor:
+    """[b, max_len] slots: each row's prompt consecutive, then its decoded tokens from runs of
+    ``decode_run`` consecutive slots, a row taking a new run when its last one is used up, in
+    step order (slot 0 is the pool's dummy)."""
     batch, max_len = lens.numel(), int(lens.max())
     table = torch.zeros(batch, max_len, dtype=torch.int64)
     prompts = [int(n * (1 - _DECODED_FRACTION)) for n in lens.tolist()]
@@ -56,16 +60,20 @@ def _slot_table(lens: torch.Tensor) -> torch.Tensor:
     for i, n in enumerate(prompts):
         table[i, :n] = torch.arange(next_slot, next_slot + n)
         next_slot += n
+    run_next, run_end = [0] * batch, [0] * batch
     for pos in range(max_len):  # decode steps: one slot per request that still grows
         for i in range(batch):
             if prompts[i] <= pos < int(lens[i]):
-                table[i, pos] = next_slot
-                next_slot += 1
+                if run_next[i] == run_end[i]:
+                    run_next[i], run_end[i] = next_slot, next_slot + decode_run
+                    next_slot += decode_run
+                table[i, pos] = run_next[i]
+                run_next[i] += 1
     return table
 
 
 def _layers(
-    batch: int, max_len: int, dtype: torch.dtype
+    batch: int, max_len: int, dtype: torch.dtype, decode_run: int
 ) -> tuple[list[Layer], torch.Tensor, torch.Tensor]:
     """Per layer its operands; the slot table and the lens [b] (the same for every layer)."""
     len_cap = length_class(max_len)
@@ -73,7 +81,7 @@ def _layers(
     num_layers = min(_MAX_LAYERS, max(2, -(-_CACHE_EXCEEDING_BYTES // bytes_per_layer)))
     lens = torch.randint(max(1, int(0.8 * max_len)), max_len + 1, (batch,))
     lens[0] = max_len
-    table = _slot_table(lens)
+    table = _slot_table(lens, decode_run)
     num_slots = int(table.max()) + 1
     layers = []
     for _ in range(num_layers):
@@ -111,10 +119,10 @@ def _time_per_layer(fn: Callable[[], None], num_layers: int) -> float:
 
 
 def bench(
-    batch: int, max_len: int, dtype: torch.dtype, repeats: int
+    batch: int, max_len: int, dtype: torch.dtype, repeats: int, decode_run: int
 ) -> tuple[float, float, int]:
     """Median ms per layer of (SDPA, kernel), interleaved, and the K/V bytes one layer reads."""
-    layers, table, lens = _layers(batch, max_len, dtype)
+    layers, table, lens = _layers(batch, max_len, dtype, decode_run)
     mask = (torch.arange(max_len)[None, :] < lens[:, None])[:, None, None, :]
     rows = torch.arange(batch)
 
@@ -167,7 +175,17 @@ def main() -> None:
         default=[1, 2],
         help="torch CPU thread counts to run at, space-separated (default: %(default)s)",
     )
+    parser.add_argument(
+        "--decode-run",
+        type=int,
+        default=32,
+        help="consecutive slots per run of a request's decoded tokens (the engine's decode "
+        "runs on CPU: 32; 1 = one slot per request per step, interleaved) "
+        "(default: %(default)s)",
+    )
     args = parser.parse_args()
+    if args.decode_run < 1:
+        parser.error("--decode-run must be >= 1")
     if not load_kernel():
         raise SystemExit("the CPU decode-attention kernel could not be built")
     torch.manual_seed(0)
@@ -178,7 +196,9 @@ def main() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             for batch in args.batches:
                 for max_len in args.lens:
-                    sdpa_ms, kernel_ms, kv_bytes = bench(batch, max_len, dtype, args.repeats)
+                    sdpa_ms, kernel_ms, kv_bytes = bench(
+                        batch, max_len, dtype, args.repeats, args.decode_run
+                    )
                     name = str(dtype).removeprefix("torch.")
                     rate = kv_bytes / kernel_ms / 1e6
                     print(f"{threads:>7} {name:>8} {batch:>5} {max_len:>5} {sdpa_ms:>8.3f} "

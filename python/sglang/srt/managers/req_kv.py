@@ -208,8 +208,9 @@ class ReqKV:
 _NAMESPACE_STRIDE = 1 << 32  # above any vocabulary size
 
 # Decoded tokens per run on CPU. Measured with benchmark/bench_cpu_decode_attention.py's layout
-# (64 requests of ~350 keys, 40% decoded): runs of 8, 16, 32 and 64 slots gave the kernel
-# 1.08-1.14x, 1.09-1.2x, 1.17-1.19x and 1.15-1.16x over interleaved slots.
+# (64 requests of ~350 keys, 40% decoded; bfloat16 and float32): runs of 8, 16, 32 and 64
+# slots gave the kernel 1.14-1.16x, 1.09-1.21x, 1.17-1.19x and 1.15-1.16x over interleaved
+# slots.
 _CPU_DECODE_RUN = 32
 
 

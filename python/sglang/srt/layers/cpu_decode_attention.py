@@ -2,7 +2,8 @@
 
 Decode attention has one query token per request, so the work per (request, KV head) is tiny
 and SDPA's per-call overhead dominates; SDPA also needs each request's keys dense, and the
-pool does not hold them so (decode steps interleave the requests' new slots). This kernel takes
+pool does not hold them so (decode steps interleave the requests' new slots, on CPU in runs of
+up to 32 consecutive slots per request: ReqKV.alloc_decode). This kernel takes
 one layer's pool buffers and each request's ``req_to_token`` row and reads every K and V row
 where it lies, once for all ``G = H / KVH`` query heads of its KV head. Per chunk of up to 512
 keys of a request, for each KV head:

@@ -5,8 +5,7 @@ A request holds, while admitted:
   * one row of the ReqToTokenPool (``req.req_pool_idx``),
   * a locked prefix-cache match (``req.cache_handle``; slots ``[0, req.prefix_len)``),
   * private slots ``[req.prefix_len, req.kv_len)`` it allocated itself (plus the slots of the
-    tokens being computed in the current step).
-
+    tokens being computed in the current step),
   * on CPU with ``page_size`` 1, a run of slots reserved for its next decode tokens
     (``req.decode_slots``; see :meth:`ReqKV.alloc_decode`).
 

@@ -154,8 +154,9 @@ def test_operands_out_of_contract() -> None:
     blocked = cpu_brgemm.block_weight(torch.randn(32, 16), 32)
     with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
         cpu_brgemm.blocked_linear(torch.randn(2, 16).half(), blocked.half(), None)
-    with pytest.raises(RuntimeError, match="one dtype"):
-        cpu_brgemm.blocked_linear(torch.randn(2, 16).bfloat16(), blocked, None)
+    pairs = cpu_brgemm.block_weight(torch.randn(32, 16).bfloat16(), 32)
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        cpu_brgemm.blocked_linear(torch.randn(2, 16), pairs, None)
     with pytest.raises(RuntimeError, match="must be"):
         cpu_brgemm.blocked_linear(torch.randn(2, 8), blocked, None)  # K mismatch
     with pytest.raises(RuntimeError, match="bias"):
@@ -215,6 +216,38 @@ def test_bf16_model_through_float32_blocks() -> None:
     assert got.dtype == torch.bfloat16
     expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float()).bfloat16()
     torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+    widened = cpu_brgemm.blocked_linear(x.float(), packed, bias.float()).bfloat16()
+    assert torch.equal(got, widened)  # the kernel's own rounding: the same bits
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 64, 257])
+@pytest.mark.parametrize("shape", [(576, 576), (48, 1536), (80, 200)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_input_on_float32_blocks_rounds_the_float32_product(
+    rows: int, shape: tuple[int, int], with_bias: bool
+) -> None:
+    """A bfloat16 x on float32 blocks gives the bits of the float32 product of the widened x
+    (and bias) rounded to bfloat16, in a row chunk and across chunks; a NaN in x stays a NaN
+    in its row only."""
+    torch.manual_seed(rows * 7 + shape[1])
+    out_features, in_features = shape
+    weight = torch.randn(out_features, in_features)
+    bias = torch.randn(out_features).bfloat16() if with_bias else None
+    x = torch.randn(rows, in_features).bfloat16()
+    if rows > 1:
+        x[1, 3] = float("nan")
+    nb = cpu_brgemm.column_block(out_features, torch.get_num_threads())
+    assert nb is not None
+    blocked = cpu_brgemm.block_weight(weight, nb)
+    got = cpu_brgemm.blocked_linear(x, blocked, bias)
+    widened = cpu_brgemm.blocked_linear(x.float(), blocked, None if bias is None else bias.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    rounded = widened.bfloat16()
+    # NaN's bits differ between torch's own conversions (0x7fc0 scalar, 0xffff vectorised).
+    assert torch.equal(got.isnan(), rounded.isnan())
+    assert torch.equal(got.nan_to_num(0.0), rounded.nan_to_num(0.0))
+    if rows > 1:
+        assert bool(got[1].isnan().all()) and not bool(got[0].isnan().any())
 
 
 def test_compiled_op_on_blocked_copy() -> None:

@@ -64,9 +64,10 @@ def packed_product(
     oneDNN's layout, a 3-D or 4-D one the brgemm kernel's column blocks (layers/cpu_brgemm.py).
 
     A float32 copy of a bfloat16 model's weight (``upcast_bf16``) computes in float32 and rounds
-    the result to bfloat16.
+    the result to bfloat16: the brgemm kernel widens x and rounds its sums itself (no float32
+    temporaries), oneDNN's layout multiplies a float32 copy of x.
     """
-    if packed.dtype == x.dtype:
+    if packed.dtype == x.dtype or (packed.dim() > 2 and x.dtype == torch.bfloat16):
         return _product(x, packed, bias)
     bias32 = None if bias is None else bias.float()
     return _product(x.float(), packed, bias32).to(x.dtype)

@@ -87,14 +87,20 @@ inline uint16_t to_bf16_bits(float f) {
   return static_cast<uint16_t>(f != f ? 0x7fc0u : rounded);
 }
 
-inline float bf16_to_f32(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+// Block b's float32 sums acc ([rows, nb]) plus the bias (bfloat16, or none), each rounded once
+// into rows [m0, m0 + rows) of the bfloat16 output y ([M, N]); bias32 is nb floats of scratch.
+void round_block(const float* acc, const at::BFloat16* bias, float* bias32, uint16_t* Y,
+                 int64_t m0, int64_t rows, int64_t N, int64_t nb, int64_t b) {
+  for (int64_t j = 0; j < nb; ++j) {
+    bias32[j] = bias != nullptr ? static_cast<float>(bias[b * nb + j]) : 0.0f;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* a = acc + r * nb;
+    uint16_t* out = Y + (m0 + r) * N + b * nb;
+    for (int64_t j = 0; j < nb; ++j) out[j] = to_bf16_bits(a[j] + bias32[j]);
+  }
 }
 
-// The columns [b0, b1) of the blocks: float32 straight into y (ldc = N), bias added after.
 // One float32 block: C ([rows, nb], row stride ldc) = A ([rows, K]) x block (k chunked on
 // AVX2 hosts, each call after the first adding into C).
 inline void block_f32(const float* A, const float* block, float* C, int64_t rows, int64_t K,
@@ -106,6 +112,7 @@ inline void block_f32(const float* A, const float* block, float* C, int64_t rows
   }
 }
 
+// The columns [b0, b1) of the blocks: float32 straight into y (ldc = N), bias added after.
 void run_f32(const float* A, const float* B, const float* bias, float* Y, int64_t M, int64_t K,
              int64_t N, int64_t nb, int64_t b0, int64_t b1) {
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
@@ -126,25 +133,18 @@ void run_f32(const float* A, const float* B, const float* bias, float* Y, int64_
 // native bfloat16): x's rows widened once per row chunk into this thread's buffer, each block
 // into a float32 buffer, the bias added there and the sum rounded once to bfloat16. The same
 // bits as widening x, the float32 product and rounding its result, without the two temporaries.
-void run_mixed(const uint16_t* A, const float* B, const uint16_t* bias, uint16_t* Y, int64_t M,
-               int64_t K, int64_t N, int64_t nb, int64_t b0, int64_t b1) {
+void run_mixed(const at::BFloat16* A, const float* B, const at::BFloat16* bias, uint16_t* Y,
+               int64_t M, int64_t K, int64_t N, int64_t nb, int64_t b0, int64_t b1) {
   std::vector<float> a32(std::min(kRowChunk, M) * K);
   std::vector<float> acc(std::min(kRowChunk, M) * nb);
-  std::vector<float> bias32(nb, 0.0f);
+  std::vector<float> bias32(nb);
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
     const int64_t rows = std::min(kRowChunk, M - m0);
-    const uint16_t* a = A + m0 * K;
-    for (int64_t i = 0; i < rows * K; ++i) a32[i] = bf16_to_f32(a[i]);
+    const at::BFloat16* a = A + m0 * K;
+    for (int64_t i = 0; i < rows * K; ++i) a32[i] = static_cast<float>(a[i]);
     for (int64_t b = b0; b < b1; ++b) {
       block_f32(a32.data(), B + b * K * nb, acc.data(), rows, K, nb, nb);
-      if (bias != nullptr) {
-        for (int64_t j = 0; j < nb; ++j) bias32[j] = bf16_to_f32(bias[b * nb + j]);
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* c = acc.data() + r * nb;
-        uint16_t* out = Y + (m0 + r) * N + b * nb;
-        for (int64_t j = 0; j < nb; ++j) out[j] = to_bf16_bits(c[j] + bias32[j]);
-      }
+      round_block(acc.data(), bias, bias32.data(), Y, m0, rows, N, nb, b);
     }
   }
 }
@@ -153,20 +153,13 @@ void run_mixed(const uint16_t* A, const float* B, const uint16_t* bias, uint16_t
 void run_bf16(const at::BFloat16* A, const at::BFloat16* B, const at::BFloat16* bias,
               uint16_t* Y, int64_t M, int64_t K, int64_t N, int64_t nb, int64_t b0, int64_t b1) {
   std::vector<float> acc(std::min(kRowChunk, M) * nb);
-  std::vector<float> bias32(nb, 0.0f);
+  std::vector<float> bias32(nb);
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
     const int64_t rows = std::min(kRowChunk, M - m0);
     for (int64_t b = b0; b < b1; ++b) {
       at::native::cpublas::brgemm(rows, nb, K, K, nb, nb, false, A + m0 * K, B + b * K * nb,
                                   acc.data(), true);
-      if (bias != nullptr) {
-        for (int64_t j = 0; j < nb; ++j) bias32[j] = static_cast<float>(bias[b * nb + j]);
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* a = acc.data() + r * nb;
-        uint16_t* out = Y + (m0 + r) * N + b * nb;
-        for (int64_t j = 0; j < nb; ++j) out[j] = to_bf16_bits(a[j] + bias32[j]);
-      }
+      round_block(acc.data(), bias, bias32.data(), Y, m0, rows, N, nb, b);
     }
   }
   at::native::cpublas::brgemm_release(true);
@@ -205,8 +198,8 @@ at::Tensor blocked_linear(at::Tensor x, at::Tensor blocked,
   const int64_t grain = (NB + threads - 1) / threads;
   at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
     if (mixed) {
-      run_mixed(reinterpret_cast<const uint16_t*>(x.data_ptr()), blocked.data_ptr<float>(),
-                has_bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr,
+      run_mixed(x.data_ptr<at::BFloat16>(), blocked.data_ptr<float>(),
+                has_bias ? bias->data_ptr<at::BFloat16>() : nullptr,
                 reinterpret_cast<uint16_t*>(y.data_ptr()), M, K, N, nb, b0, b1);
     } else if (bf16) {
       run_bf16(x.data_ptr<at::BFloat16>(), blocked.data_ptr<at::BFloat16>(),

@@ -1,10 +1,12 @@
 r"""Offline throughput: sglang.Engine vs transformers' batched generate, same model and run.
 
-A mixed workload (prompt and output lengths drawn uniformly, ``ignore_eos``, greedy) runs
-through both; the script prints output tokens/s for each and the ratio, then batch-1 decode
-tokens/s for each (the median of ``--batch1-runs`` timed runs of ``--batch1-tokens`` tokens
-after the first prompt's first 32 tokens, or the whole prompt when shorter; one run alone
-moved by up to 30% between runs). Only the tokens each request asked for are counted
+A mixed workload (prompt and output lengths drawn uniformly, ``ignore_eos``; greedy unless
+``--temperature`` is above 0, with ``--top-p``/``--top-k``; ``--return-logprob`` asks every
+request for its tokens' logprobs, as RL rollouts do) runs through both; the script prints output
+tokens/s for each and the ratio, then batch-1 decode tokens/s for each (the median of
+``--batch1-runs`` timed runs of ``--batch1-tokens`` tokens after the first prompt's first 32
+tokens, or the whole prompt when shorter; one run alone moved by up to 30% between runs). Only
+the tokens each request asked for are counted
 (transformers decodes a batch until its longest request is done; the surplus is not counted).
 
     python benchmark/bench_offline_throughput.py --model-path models/SmolLM2-135M-Instruct
@@ -101,6 +103,18 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[
     ]
 
 
+def sampling_params(args: argparse.Namespace, max_new_tokens: int) -> dict[str, Any]:
+    """The engine's sampling parameters of a request of the workload: ``--temperature`` (greedy
+    at 0), ``--top-p`` and ``--top-k``, ``ignore_eos`` so that it generates
+    ``max_new_tokens``."""
+    params: dict[str, Any] = {"temperature": getattr(args, "temperature", 0.0),
+                              "ignore_eos": True, "max_new_tokens": max_new_tokens}
+    if params["temperature"] > 0:
+        params["top_p"] = getattr(args, "top_p", 1.0)
+        params["top_k"] = getattr(args, "top_k", -1)
+    return params
+
+
 def run_engine(
     args: argparse.Namespace,
     work: list[tuple[list[int], int]],
@@ -138,11 +152,13 @@ def run_engine(
     engine = sgl.Engine(**kwargs)
     startup = time.perf_counter() - start
     try:
-        params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
+        params = sampling_params(args, 8)
+        logprob = getattr(args, "return_logprob", False)
         # Warm-up: a batch of the workload's first prompts, so that prefills of several
         # lengths (on CUDA both eager and through the graphs) and decode have run, and no
         # kernel compiles inside the timed run (Triton compiles each variant at first use).
-        engine.generate(input_ids=[ids for ids, _ in work[:16]], sampling_params=params)
+        engine.generate(input_ids=[ids for ids, _ in work[:16]], sampling_params=params,
+                        return_logprob=logprob)
         # The prefix cache would now hold those prompts, and every batch-1 run the previous
         # one's: flushed before each timed run, so that no prompt is served from the cache
         # (vLLM runs with its prefix caching off; transformers has none).
@@ -150,18 +166,21 @@ def run_engine(
         start = time.perf_counter()
         outs = engine.generate(
             input_ids=[ids for ids, _ in work],
-            sampling_params=[
-                {"temperature": 0, "ignore_eos": True, "max_new_tokens": n} for _, n in work
-            ],
+            sampling_params=[sampling_params(args, n) for _, n in work],
+            return_logprob=logprob,
         )
         elapsed = time.perf_counter() - start
         num_out = sum(o["meta_info"]["completion_tokens"] for o in outs)
         throughput = num_out / elapsed
         prompt, n = work[0][0][:32], args.batch1_tokens
-        one = {**params, "max_new_tokens": n}
-        engine.generate(input_ids=prompt, sampling_params=one)
-        batch1 = median_rate(lambda: engine.generate(input_ids=prompt, sampling_params=one), n,
-                             getattr(args, "batch1_runs", 1), lambda: flush_prefix_cache(engine))
+        one = sampling_params(args, n)
+
+        def generate_one() -> object:
+            return engine.generate(input_ids=prompt, sampling_params=one, return_logprob=logprob)
+
+        generate_one()
+        batch1 = median_rate(generate_one, n, getattr(args, "batch1_runs", 1),
+                             lambda: flush_prefix_cache(engine))
         pause_ms = pause_round_trip_ms(engine, prompt, getattr(args, "pause_rounds", 0))
     finally:
         engine.shutdown()
@@ -260,6 +279,10 @@ def run_transformers(
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype)
     model = model.to(args.device).eval()
     pad = model.config.pad_token_id or 0
+    sample: dict[str, Any] = {"do_sample": False}
+    if args.temperature > 0:
+        sample = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p,
+                  "top_k": args.top_k if args.top_k > 0 else None}
     num_out = 0
     start = time.perf_counter()
     for b in range(0, len(work), args.hf_batch_size):
@@ -275,7 +298,7 @@ def run_transformers(
             model.generate(
                 input_ids=input_ids,
                 attention_mask=mask,
-                do_sample=False,
+                **sample,
                 max_new_tokens=max(n for _, n in chunk),
                 min_new_tokens=None,
                 pad_token_id=pad,
@@ -290,7 +313,7 @@ def run_transformers(
         with torch.inference_mode():
             model.generate(
                 input_ids=prompt,
-                do_sample=False,
+                **sample,
                 max_new_tokens=args.batch1_tokens,
                 eos_token_id=None,
                 pad_token_id=pad,
@@ -313,6 +336,10 @@ def run_vllm(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> tup
                     "threads": args.threads,
                     "batch1_tokens": args.batch1_tokens,
                     "batch1_runs": args.batch1_runs,
+                    "temperature": args.temperature,
+                    "top_p": args.top_p,
+                    "top_k": args.top_k,
+                    "return_logprob": args.return_logprob,
                     "work": work,
                 },
                 f,
@@ -392,6 +419,31 @@ def add_workload_shape_args(parser: argparse.ArgumentParser) -> None:
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """The workload flags shared with bench_deterministic.py."""
     add_workload_shape_args(parser)
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of every request, in every engine (default: %(default)s, "
+        "greedy; RL rollouts sample at 1.0)",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="top-p of every request when --temperature > 0 (default: %(default)s, off)",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=-1,
+        help="top-k of every request when --temperature > 0 (default: %(default)s, off)",
+    )
+    parser.add_argument(
+        "--return-logprob",
+        action="store_true",
+        help="every request also returns its chosen tokens' logprobs (the engine's "
+        "return_logprob, vLLM's logprobs=0; transformers is not asked), as RL rollouts do",
+    )
     parser.add_argument(
         "--batch1-tokens",
         type=int,

@@ -4,7 +4,8 @@ bench_offline_throughput.py --compare vllm; it imports nothing of this repositor
     VLLM_PYTHON benchmark/vllm_worker.py WORKLOAD.json RESULT.json
 
 WORKLOAD.json: {"model_path", "dtype", "threads", "batch1_tokens", "batch1_runs",
-"work": [[ids, n], ...]}.
+"temperature", "top_p", "top_k", "return_logprob", "work": [[ids, n], ...]} (the sampling
+keys optional: greedy, no logprobs).
 RESULT.json: {"throughput": out tok/s, "batch1": median tok/s of batch1_runs runs,
 "startup_s": s}.
 """
@@ -32,8 +33,15 @@ def main() -> None:
     startup = time.perf_counter() - start
     work = spec["work"]
 
+    temperature = spec.get("temperature", 0.0)
+    sampling = {"temperature": temperature}
+    if temperature > 0:
+        sampling.update(top_p=spec.get("top_p", 1.0), top_k=spec.get("top_k", -1))
+    if spec.get("return_logprob"):
+        sampling["logprobs"] = 0  # the chosen token's logprob only
+
     def params(n: int) -> SamplingParams:
-        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        return SamplingParams(max_tokens=n, ignore_eos=True, **sampling)
 
     llm.generate([{"prompt_token_ids": work[0][0]}], params(8), use_tqdm=False)  # warm-up
     start = time.perf_counter()

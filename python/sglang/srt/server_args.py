@@ -194,9 +194,11 @@ class ServerArgs(UpstreamOnlyArgs):
     disable_cpu_fused_ops: bool = _arg(
         False,
         "On CPU, run each decoder layer's elementwise pieces (add + RMSNorm, SiLU-and-mul, "
-        "RoPE, the K/V store into the pool) as torch ops instead of one C++ call each "
-        "(compiled at model load and cached in torch's extensions directory; they round where "
-        "the torch ops round, see docs/performance.md).",
+        "RoPE, the K/V store into the pool) as torch ops instead of one C++ call each, and "
+        "the pytorch sampler's seeded Gumbel-max over the vocabulary as torch ops instead of "
+        "one C++ pass per row (compiled at model load and cached in torch's extensions "
+        "directory; they round where the torch ops round, the sampler's tokens are the same "
+        "bit for bit; see docs/performance.md).",
     )
     disable_cpu_decode_loop: bool = _arg(
         False,

@@ -40,6 +40,20 @@ _SUM_CHUNK = 4096
 # Greedy argmax reduces chunks of this many columns with amax first (see _argmax).
 _ARGMAX_CHUNK = 1024
 
+# A native whole-vocabulary Gumbel-max for CPU rows, bitwise :func:`_gumbel_argmax_full`'s
+# torch ops (the engine registers its C++ kernel, sglang/srt/layers/cpu_sampling.py, which
+# checks those bits on the host first); None: the torch ops.
+GumbelArgmaxFn = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor], torch.Tensor]
+_cpu_gumbel_argmax: GumbelArgmaxFn | None = None
+
+
+def use_cpu_gumbel_argmax(fn: GumbelArgmaxFn | None) -> None:
+    """Make ``fn(x, thr, row_keys)`` (the contract of :func:`_gumbel_argmax_full`, bit for bit)
+    draw the whole-vocabulary Gumbel-max of float32 CPU rows, or go back to the torch ops
+    (None). Process-wide: the chosen tokens are the same either way, only the time differs."""
+    global _cpu_gumbel_argmax
+    _cpu_gumbel_argmax = fn
+
 
 # ---- the noise ----------------------------------------------------------------------------
 
@@ -107,13 +121,13 @@ def sample_torch(
     if info.is_all_greedy:
         next_ids = _argmax(logits)
     else:
-        scaled = logits / info.temperatures[:, None]
+        scaled = _scale(logits, info)
         if return_logprob or info.need_top_p:
             stats = row_softmax_stats(scaled, _whole_batch_needs_scaled_entropy(groups, info))
         next_ids, thr = _sample(logits, scaled, None if stats is None else _log_z(stats), info)
     if scaled is None and need_scaled:
         # Greedy rows: temperature 0 is stored as 1 (x / 1 == x); top_k = 1 keeps its T.
-        scaled = logits / info.temperatures[:, None]
+        scaled = _scale(logits, info)
     entropies = None
     if groups:
         entropies = _entropies(logits, scaled, stats, thr, info, groups)
@@ -128,6 +142,14 @@ def sample_torch(
         return SampleOutput(next_ids, chosen, None, None, entropies)
     top = scaled.topk(min(num_top, logits.shape[1]), dim=-1)
     return SampleOutput(next_ids, chosen, top.values - log_z[:, None], top.indices, entropies)
+
+
+def _scale(logits: torch.Tensor, info: SamplingRows) -> torch.Tensor:
+    """``logits / T`` per row; ``logits`` itself when every T is 1 (x / 1 == x bit for bit,
+    and a pass over [B, V] saved: the usual RL rollout samples at 1). Never written to."""
+    if info.unit_temperature:
+        return logits
+    return logits / info.temperatures[:, None]
 
 
 class SoftmaxStats(NamedTuple):
@@ -276,6 +298,9 @@ def _gumbel_argmax_full(
     x: torch.Tensor, thr: torch.Tensor | None, row_keys: torch.Tensor
 ) -> torch.Tensor:
     """argmax over v with x[v] >= thr of x[v] + g[v] (first index on ties), whole vocab."""
+    native = _cpu_gumbel_argmax
+    if native is not None and x.is_cpu and x.dtype == torch.float32 and x.stride(1) == 1:
+        return native(x, thr, row_keys)
     num_rows, vocab_size = x.shape
     vocab_ids = torch.arange(vocab_size, dtype=torch.int64, device=x.device)
     out = torch.empty(num_rows, dtype=torch.int64, device=x.device)

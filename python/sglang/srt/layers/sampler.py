@@ -4,8 +4,9 @@
 ``triton`` the fused kernel (:mod:`sgl_kernel.sampling`, the CUDA default). Both implement the
 contract of :mod:`sgl_kernel.sampling_contract` (the counter-based seeded noise of
 docs/sampling.md, the entropy definitions of docs/entropy.md) and choose the same tokens as
-its plain oracle for the same logits and seeds. The contract's public helpers, and the row
-logsumexp of the torch backend, are re-exported here.
+its plain oracle for the same logits and seeds. The contract's public helpers, the row
+logsumexp of the torch backend and its switch to a native Gumbel-max on CPU
+(``use_cpu_gumbel_argmax``, set by the model runner) are re-exported here.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from sgl_kernel.sampling_contract import (
     hash32,
     noise_row_keys,
 )
-from sgl_kernel.sampling_torch import row_logsumexp
+from sgl_kernel.sampling_torch import row_logsumexp, use_cpu_gumbel_argmax
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import derive_seed
 
@@ -47,6 +48,7 @@ __all__ = [
     "hash32",
     "noise_row_keys",
     "row_logsumexp",
+    "use_cpu_gumbel_argmax",
 ]
 
 SampleFn = Callable[

@@ -1,0 +1,400 @@
+"""The seeded Gumbel-max of the ``pytorch`` sampling backend as one C++ pass per row on CPU.
+
+``sgl_kernel.sampling_torch`` draws a sampled row's noise over the whole vocabulary with ~15
+torch ops (the contract hash on int32, two logs, the subtraction, the threshold mask) and then
+takes the row's argmax: each op one pass over ``[B, V]`` floats, ~17 ms a step for 64 rows of
+49,152 on 2 cores, as long as a bfloat16 decode step's attention there. Here each row is one
+pass in chunks of :data:`_CHUNK` columns that stay in L1: the hash, ``u``, both logs, the score
+``x - log(-log u)``, the threshold and the running argmax.
+
+**The same bits as the torch ops.** The logs are torch's own: on x86-64 torch computes
+``log`` of float32 tensors with MKL's ``vmsLn`` (its ``VML_HA | VML_FTZDAZ_OFF |
+VML_ERRMODE_IGNORE`` mode), which libtorch carries, and this kernel calls the same function in
+the same mode; every other step is exact integer arithmetic or a single rounded float32
+operation in torch's order. So the noise, the scores and the chosen tokens are bitwise those of
+the torch path (and of the contract, docs/sampling.md). :func:`load_kernel` checks that on the
+host (the noise of a few rows against the torch ops, bit for bit) and keeps the torch path
+where it differs or where torch carries no ``vmsLn`` (a build without MKL).
+
+Rows are spread over torch's threads, one thread a row (a row's result cannot depend on the
+batch). Built at model load with the other CPU kernels
+(:class:`~sglang.srt.layers.cpu_extension.CpuKernel`) unless ``--disable-cpu-fused-ops``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sglang.srt.layers.cpu_extension import CpuKernel
+
+logger = logging.getLogger(__name__)
+
+# Columns per chunk of a row: 3 float buffers of 4 KiB each stay in L1 with the row's logits.
+_CHUNK = 1024
+
+_CPP_SOURCE = r"""
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <immintrin.h>
+
+// MKL's vector natural log, inside libtorch_cpu when torch is built with MKL (its x86-64
+// wheels): torch's log of a float32 tensor calls it (at::vml::vlog). Weak: null where this
+// torch has none, and then the torch path stays.
+extern "C" void vmsLn(int n, const float* a, float* r, long long mode) __attribute__((weak));
+
+namespace {
+
+// The mode torch passes: VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE (mkl_vml_defines.h).
+constexpr long long kTorchLnMode = 0x2 | 0x140000 | 0x100;
+constexpr int64_t kChunk = CHUNK;
+// The contract hash's multipliers (sgl_kernel/sampling_contract.py: HASH_MUL1, HASH_MUL2).
+constexpr uint32_t kMul1 = 0x21F0AAADu;
+constexpr uint32_t kMul2 = 0x735A2D97u;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+// u's 23 bits m = bits >> 9 fall in 2^10 buckets of 2^13 values (by m >> 13 = bits >> 22).
+constexpr int kBucketShift = 22;
+constexpr int64_t kBuckets = int64_t{1} << (32 - kBucketShift);
+// Columns a row's exact pass may take; past that the row takes the whole-row path.
+constexpr int64_t kMaxCandidates = 512;
+
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64;
+#else
+constexpr int kVecBytes = 32;  // one AVX register (GCC splits wider vectors badly)
+#endif
+using vf = float __attribute__((vector_size(kVecBytes)));
+using vi = int32_t __attribute__((vector_size(kVecBytes)));
+using vu = uint32_t __attribute__((vector_size(kVecBytes)));
+constexpr int64_t kLanes = kVecBytes / 4;
+
+inline vf loadv(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// The contract hash of key ^ column (sampling_contract.hash32), per lane or for one column.
+template <typename T>
+inline T hash32(T h) {
+  h ^= h >> 16;
+  h *= kMul1;
+  h ^= h >> 15;
+  h *= kMul2;
+  return h ^ (h >> 15);
+}
+
+// t[idx] per lane.
+inline vf gather(const float* t, vi idx) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_i32gather_ps((__m512i)idx, t, 4);
+#else
+  return (vf)_mm256_i32gather_ps(t, (__m256i)idx, 4);
+#endif
+}
+
+// Bit l set where a[l] >= b (false for NaN).
+inline uint32_t ge_mask(vf a, vf b) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_GE_OQ);
+#else
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps((__m256)a, (__m256)b,
+                                                                _CMP_GE_OQ)));
+#endif
+}
+
+// neg_g[j] = log(-log(u[j])) (= -g), as torch's ops round it; u is overwritten.
+inline void neg_gumbel_of_u(float* __restrict u, float* __restrict neg_g, int64_t n) {
+  vmsLn(static_cast<int>(n), u, neg_g, kTorchLnMode);
+  for (int64_t j = 0; j < n; ++j) u[j] = -neg_g[j];
+  vmsLn(static_cast<int>(n), u, neg_g, kTorchLnMode);
+}
+
+// u = ((bits >> 9) + 0.5) * 2^-23 (exact in float32).
+inline float uniform(uint32_t bits) { return (static_cast<float>(bits >> 9) + 0.5f) * 0x1p-23f; }
+
+// -g for columns c0 .. c0 + n of the row with key ``key`` (the contract's noise).
+void neg_gumbel_chunk(uint32_t key, int64_t c0, int64_t n, float* __restrict u,
+                      float* __restrict neg_g) {
+  for (int64_t j = 0; j < n; ++j) u[j] = uniform(hash32(key ^ static_cast<uint32_t>(c0 + j)));
+  neg_gumbel_of_u(u, neg_g, n);
+}
+
+// The smallest and largest -g of each bucket of u's 2^23 values, computed once, by the same
+// steps as the noise itself: every column's exact -g lies within its bucket's pair.
+struct NoiseBounds {
+  std::vector<float> lo, hi;
+
+  NoiseBounds() : lo(kBuckets), hi(kBuckets) {
+    alignas(64) float u[kChunk];
+    alignas(64) float ng[kChunk];
+    const int64_t per_bucket = (int64_t{1} << 23) / kBuckets;
+    for (int64_t b = 0; b < kBuckets; ++b) {
+      float mn = kInf, mx = -kInf;
+      for (int64_t m0 = b * per_bucket; m0 < (b + 1) * per_bucket; m0 += kChunk) {
+        for (int64_t j = 0; j < kChunk; ++j) u[j] = uniform(static_cast<uint32_t>(m0 + j) << 9);
+        neg_gumbel_of_u(u, ng, kChunk);
+        for (int64_t j = 0; j < kChunk; ++j) {
+          mn = ng[j] < mn ? ng[j] : mn;
+          mx = ng[j] > mx ? ng[j] : mx;
+        }
+      }
+      lo[b] = mn;
+      hi[b] = mx;
+    }
+  }
+};
+
+const NoiseBounds& noise_bounds() {
+  static const NoiseBounds bounds;  // built by the first caller (thread-safe)
+  return bounds;
+}
+
+// A candidate: a score and its column.
+struct Best {
+  float value;
+  int64_t index;
+};
+
+// The token of one row, every column's noise computed: the first argmax of x - neg_g (the
+// first NaN where there is one), x < thr scored as the torch path scores it (minus +inf).
+int64_t row_gumbel_argmax_exact(const float* __restrict x, int64_t V, uint32_t key,
+                                bool has_thr, float thr) {
+  alignas(64) float u[kChunk];
+  alignas(64) float s[kChunk];
+  Best best{-kInf, 0};
+  for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
+    const int64_t n = V - c0 < kChunk ? V - c0 : kChunk;
+    neg_gumbel_chunk(key, c0, n, u, s);
+    for (int64_t j = 0; j < n; ++j) {
+      float score = x[c0 + j] - s[j];
+      // torch: scores - (1 / float(x >= thr) - 1), i.e. minus 0 or minus +inf.
+      if (has_thr) score = score - (x[c0 + j] >= thr ? 0.0f : kInf);
+      if (score != score) return c0 + j;  // the first NaN wins (as torch's max(dim))
+      if (score > best.value) best = {score, c0 + j};
+    }
+  }
+  return best.index;
+}
+
+// The token of one row, with the noise computed exactly only where it can matter. Each
+// column's score x - neg_g lies in [x - hi, x - lo] of its bucket (float subtraction is
+// monotone), so with L the largest lower end over the allowed columns, a column whose upper
+// end is below L scores below the column that set L and cannot be chosen. The others (a few
+// dozen of 49,152 columns for real logits) get their exact noise and scores. Rows with NaN,
+// with no allowed finite score, or with too many candidates take the exact path: the result
+// is row_gumbel_argmax_exact's in every case.
+int64_t row_gumbel_argmax(const float* __restrict x, int64_t V, uint32_t key, bool has_thr,
+                          float thr, const NoiseBounds& nb) {
+  const vf thr_v = vf{} + (has_thr ? thr : -kInf);
+  vi lanes;
+  for (int64_t l = 0; l < kLanes; ++l) lanes[l] = static_cast<int32_t>(l);
+  const int64_t whole = V / kLanes * kLanes;
+  // Pass 1: L, and whether the row holds NaN.
+  vf low = vf{} - kInf;
+  vi nan = vi{};
+  for (int64_t j = 0; j < whole; j += kLanes) {
+    const vf xv = loadv(x + j);
+    const vu h = hash32((vu)(lanes + static_cast<int32_t>(j)) ^ key);
+    vf lower = xv - gather(nb.hi.data(), (vi)(h >> kBucketShift));
+    lower = xv >= thr_v ? lower : vf{} - kInf;
+    low = lower > low ? lower : low;
+    nan |= xv != xv;
+  }
+  float L = -kInf;
+  bool has_nan = false;
+  for (int64_t l = 0; l < kLanes; ++l) {
+    L = low[l] > L ? low[l] : L;
+    has_nan |= nan[l] != 0;
+  }
+  for (int64_t j = whole; j < V; ++j) {
+    const uint32_t h = hash32(key ^ static_cast<uint32_t>(j));
+    has_nan |= x[j] != x[j];
+    const float lower = x[j] - nb.hi[h >> kBucketShift];
+    if (x[j] >= thr_v[0] && lower > L) L = lower;
+  }
+  if (has_nan || !(L > -kInf)) return row_gumbel_argmax_exact(x, V, key, has_thr, thr);
+  // Pass 2: the columns whose upper end reaches L, in column order.
+  int64_t cand[kMaxCandidates];
+  int64_t count = 0;
+  const vf L_v = vf{} + L;
+  for (int64_t j = 0; j < whole; j += kLanes) {
+    const vf xv = loadv(x + j);
+    const vu h = hash32((vu)(lanes + static_cast<int32_t>(j)) ^ key);
+    const vf upper = xv - gather(nb.lo.data(), (vi)(h >> kBucketShift));
+    uint32_t mask = ge_mask(upper, L_v) & ge_mask(xv, thr_v);
+    while (mask != 0) {
+      if (count == kMaxCandidates) return row_gumbel_argmax_exact(x, V, key, has_thr, thr);
+      cand[count++] = j + __builtin_ctz(mask);
+      mask &= mask - 1;
+    }
+  }
+  for (int64_t j = whole; j < V; ++j) {
+    const uint32_t h = hash32(key ^ static_cast<uint32_t>(j));
+    if (x[j] >= thr_v[0] && x[j] - nb.lo[h >> kBucketShift] >= L) {
+      if (count == kMaxCandidates) return row_gumbel_argmax_exact(x, V, key, has_thr, thr);
+      cand[count++] = j;
+    }
+  }
+  // The candidates' exact scores (allowed columns: the torch path subtracts 0 from them).
+  alignas(64) float u[kMaxCandidates];
+  alignas(64) float s[kMaxCandidates];
+  for (int64_t i = 0; i < count; ++i) u[i] = uniform(hash32(key ^ static_cast<uint32_t>(cand[i])));
+  neg_gumbel_of_u(u, s, count);
+  Best best{-kInf, -1};
+  for (int64_t i = 0; i < count; ++i) {
+    const float score = x[cand[i]] - s[i];
+    if (best.index < 0 || score > best.value) best = {score, cand[i]};
+  }
+  return best.index;
+}
+
+void check_keys(const at::Tensor& keys) {
+  TORCH_CHECK(keys.dim() == 1 && keys.scalar_type() == at::kLong && keys.is_contiguous(),
+              "row_keys must be a contiguous int64 [B] tensor");
+  TORCH_CHECK(vmsLn != nullptr, "this torch has no vmsLn (MKL)");
+}
+
+}  // namespace
+
+bool has_torch_ln() { return vmsLn != nullptr; }
+
+void prepare() {
+  TORCH_CHECK(vmsLn != nullptr, "this torch has no vmsLn (MKL)");
+  noise_bounds();
+}
+
+at::Tensor gumbel_argmax(at::Tensor x, at::Tensor row_keys, c10::optional<at::Tensor> thr,
+                         bool exact) {
+  check_keys(row_keys);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
+                  row_keys.size(0) == x.size(0),
+              "x must be a float32 [B, V] tensor with dense rows, B = row_keys' length");
+  TORCH_CHECK(x.size(1) > 0 && x.size(1) < (int64_t{1} << 31), "V must be in [1, 2^31)");
+  const int64_t B = x.size(0), V = x.size(1);
+  const float* thr_p = nullptr;
+  if (thr.has_value()) {
+    TORCH_CHECK(thr->dim() == 1 && thr->scalar_type() == at::kFloat && thr->is_contiguous() &&
+                    thr->size(0) == B,
+                "thr must be a contiguous float32 [B] tensor");
+    thr_p = thr->data_ptr<float>();
+  }
+  const NoiseBounds& nb = noise_bounds();
+  at::Tensor out = at::empty({B}, row_keys.options());
+  const float* xp = x.data_ptr<float>();
+  const int64_t* kp = row_keys.data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t stride = x.stride(0);
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint32_t key = static_cast<uint32_t>(kp[r]);
+      const float t = thr_p ? thr_p[r] : 0.0f;
+      op[r] = exact ? row_gumbel_argmax_exact(xp + r * stride, V, key, thr_p != nullptr, t)
+                    : row_gumbel_argmax(xp + r * stride, V, key, thr_p != nullptr, t, nb);
+    }
+  });
+  return out;
+}
+
+at::Tensor neg_gumbel(at::Tensor row_keys, int64_t vocab_size) {
+  check_keys(row_keys);
+  TORCH_CHECK(vocab_size > 0 && vocab_size < (int64_t{1} << 31), "bad vocab_size");
+  const int64_t B = row_keys.size(0);
+  at::Tensor out = at::empty({B, vocab_size}, row_keys.options().dtype(at::kFloat));
+  const int64_t* kp = row_keys.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float u[kChunk];
+    for (int64_t r = begin; r < end; ++r) {
+      const uint32_t key = static_cast<uint32_t>(kp[r]);
+      for (int64_t c0 = 0; c0 < vocab_size; c0 += kChunk) {
+        const int64_t n = vocab_size - c0 < kChunk ? vocab_size - c0 : kChunk;
+        neg_gumbel_chunk(key, c0, n, u, op + r * vocab_size + c0);
+      }
+    }
+  });
+  return out;
+}
+""".replace("CHUNK", str(_CHUNK))
+
+_CPP_DECLARATION = """
+bool has_torch_ln();
+void prepare();
+at::Tensor gumbel_argmax(at::Tensor x, at::Tensor row_keys, c10::optional<at::Tensor> thr,
+    bool exact);
+at::Tensor neg_gumbel(at::Tensor row_keys, int64_t vocab_size);
+"""
+
+_KERNEL = CpuKernel(
+    "sglang_cpu_sampling",
+    _CPP_DECLARATION,
+    _CPP_SOURCE,
+    ["has_torch_ln", "prepare", "gumbel_argmax", "neg_gumbel"],
+    "CPU sampling kernel",
+    needs_avx2=True,
+    # Every float step rounds on its own, as torch's separate ops do.
+    extra_cflags=("-ffp-contract=off",),
+)
+
+# load_kernel's verdict once per process: None before the first call.
+_usable: bool | None = None
+
+
+def load_kernel() -> bool:
+    """Build (or load from torch's extension cache) the kernel once per process and check it on
+    this host: True when :func:`gumbel_argmax` gives the torch path's bits (the noise of a few
+    rows compared with ``sgl_kernel.sampling_torch``'s ops, bit for bit). False, and logged,
+    where it cannot be built, torch has no ``vmsLn`` or the bits differ."""
+    global _usable
+    if _usable is None:
+        _usable = _KERNEL.load() and _same_bits_as_torch()
+    return _usable
+
+
+def _same_bits_as_torch() -> bool:
+    from sgl_kernel.sampling_torch import _neg_gumbel_from_keys
+
+    module = _KERNEL.loaded
+    if not module.has_torch_ln():
+        logger.info("CPU sampling kernel: this torch has no MKL vmsLn; using the torch ops")
+        return False
+    # Keys at the ends of the 32-bit range, a vocabulary with a partial chunk and vector tail.
+    keys = torch.tensor([0, 1, 0x9E3779B9, 0xFFFFFFFF], dtype=torch.int64)
+    vocab = 3 * _CHUNK + 37
+    expected = _neg_gumbel_from_keys(keys, torch.arange(vocab, dtype=torch.int64))
+    if torch.equal(module.neg_gumbel(keys, vocab).view(torch.int32), expected.view(torch.int32)):
+        module.prepare()  # the noise bounds (~2^23 noise values, once per process)
+        return True
+    logger.warning("CPU sampling kernel: its noise differs from torch's on this host; using torch")
+    return False
+
+
+def gumbel_argmax(
+    x: torch.Tensor, thr: torch.Tensor | None, row_keys: torch.Tensor
+) -> torch.Tensor:
+    """Per row of ``x`` [B, V] (float32, dense rows: logits / temperature), the first argmax
+    over v of ``x[v] + g[v]`` with the row's contract noise g (``row_keys`` [B] int64 from
+    ``noise_row_keys``), columns with ``x[v] < thr[row]`` excluded (``thr`` [B] float32, or
+    None); a row holding NaN scores gives its first NaN. Bitwise
+    ``sgl_kernel.sampling_torch._gumbel_argmax_full``. Returns [B] int64.
+    Precondition: :func:`load_kernel` returned True."""
+    return _KERNEL.loaded.gumbel_argmax(x, row_keys, thr, False)
+
+
+def gumbel_argmax_exact(
+    x: torch.Tensor, thr: torch.Tensor | None, row_keys: torch.Tensor
+) -> torch.Tensor:
+    """:func:`gumbel_argmax` with every column's noise computed (no bucket bounds): the
+    reference the tests hold the bounded pass to. Precondition: :func:`load_kernel`."""
+    return _KERNEL.loaded.gumbel_argmax(x, row_keys, thr, True)
+
+
+def neg_gumbel(row_keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``-g`` = log(-log(u)) of the contract noise, [B, vocab_size] float32, as
+    ``sgl_kernel.sampling_torch._neg_gumbel_from_keys`` computes it (for the checks).
+    Precondition: :func:`load_kernel` returned True."""
+    return _KERNEL.loaded.neg_gumbel(row_keys, vocab_size)

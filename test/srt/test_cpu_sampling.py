@@ -1,0 +1,234 @@
+"""The C++ Gumbel-max of the CPU sampler (layers/cpu_sampling.py) against the torch ops of
+``sgl_kernel.sampling_torch`` it replaces: the same noise and the same tokens, bit for bit,
+and the engine's seeded sampling unchanged by it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from sgl_kernel import sampling_torch
+from sglang.srt.layers import cpu_sampling
+from sglang.srt.layers.cpu_extension import avx2_host, platform_supported
+
+pytestmark = pytest.mark.skipif(
+    not (platform_supported() and avx2_host() and torch.backends.mkl.is_available()),
+    reason="built on x86-64 Linux with AVX2, against a torch that carries MKL's vmsLn",
+)
+
+VOCABS = [1, 7, 16, 1000, 3 * 1024 + 37, 49152]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    assert cpu_sampling.load_kernel()
+
+
+@pytest.fixture
+def torch_path() -> Iterator[None]:
+    """The torch ops of _gumbel_argmax_full for the test's duration, then back as it was."""
+    saved = sampling_torch._cpu_gumbel_argmax
+    sampling_torch.use_cpu_gumbel_argmax(None)
+    yield
+    sampling_torch.use_cpu_gumbel_argmax(saved)
+
+
+def keys_for(rows: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randint(0, 2**32, (rows,), generator=gen, dtype=torch.int64)
+    keys[0] = 2**32 - 1  # the top of the key range
+    return keys
+
+
+def rows_of(kind: str, rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Logits / T of one shape: ``wide`` N(0, 9); ``flat`` N(0, 1e-4) (nearly every column is a
+    candidate: the exact pass); ``peaked`` a few large values over a low floor, as a trained
+    model's logits; ``ties`` small integers (equal logits everywhere)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "wide":
+        return torch.randn(rows, vocab, generator=gen) * 3
+    if kind == "flat":
+        return torch.randn(rows, vocab, generator=gen) * 1e-2
+    if kind == "ties":
+        return torch.randint(0, 3, (rows, vocab), generator=gen).float()
+    x = torch.randn(rows, vocab, generator=gen) * 2 - 8
+    top = torch.randint(0, vocab, (rows, 5), generator=gen)
+    return x.scatter(1, top, torch.randn(rows, 5, generator=gen) * 2 + 12)
+
+
+def torch_argmax(x: torch.Tensor, thr: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+    saved = sampling_torch._cpu_gumbel_argmax
+    sampling_torch.use_cpu_gumbel_argmax(None)
+    try:
+        return sampling_torch._gumbel_argmax_full(x, thr, keys)
+    finally:
+        sampling_torch.use_cpu_gumbel_argmax(saved)
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_noise_is_bitwise_torch(vocab: int) -> None:
+    keys = keys_for(5, vocab)
+    expected = sampling_torch._neg_gumbel_from_keys(keys, torch.arange(vocab))
+    got = cpu_sampling.neg_gumbel(keys, vocab)
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("kind", ["wide", "flat", "peaked", "ties"])
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("truncated", [False, True], ids=["whole", "thr"])
+def test_tokens_are_the_torch_paths(kind: str, vocab: int, truncated: bool) -> None:
+    rows = 33
+    x = rows_of(kind, rows, vocab, seed=vocab)
+    keys = keys_for(rows, vocab + 1)
+    thr = None
+    if truncated:  # per row: a value of the row (some rows keep one column, some all)
+        cols = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(3))
+        thr = x.gather(1, cols[:, None]).squeeze(1).contiguous()
+    expected = torch_argmax(x, thr, keys)
+    assert torch.equal(cpu_sampling.gumbel_argmax(x, thr, keys), expected)
+    assert torch.equal(cpu_sampling.gumbel_argmax_exact(x, thr, keys), expected)
+
+
+def test_special_values_as_torch() -> None:
+    """NaN (its first one wins), +inf, -inf columns, a row of -inf, a row that its threshold
+    leaves empty: the torch path's choice in each."""
+    vocab = 2 * 1024 + 5
+    x = rows_of("peaked", 8, vocab, seed=1)
+    x[0, [700, 40]] = float("nan")
+    x[1, 1500] = float("inf")
+    x[1, 9] = float("inf")
+    x[2, ::2] = float("-inf")
+    x[3] = float("-inf")
+    x[4, 2047:] = float("nan")  # NaN in the vector tail only
+    x[5, 100] = float("nan")  # NaN below the threshold: scored NaN, as torch scores it
+    thr = torch.full((8,), float("-inf"))
+    thr[5] = 50.0
+    thr[6] = float("inf")  # nothing allowed: every score -inf
+    thr[7] = x[7].max()  # one column allowed
+    keys = keys_for(8, 9)
+    for t in (None, thr):
+        expected = torch_argmax(x, t, keys)
+        assert torch.equal(cpu_sampling.gumbel_argmax(x, t, keys), expected)
+    assert cpu_sampling.gumbel_argmax(x, None, keys)[0].item() == 40
+    assert cpu_sampling.gumbel_argmax(x, thr, keys)[7].item() == int(x[7].argmax())
+
+
+def test_row_independent_of_batch_and_threads() -> None:
+    x = rows_of("wide", 16, 5000, seed=4)
+    keys = keys_for(16, 5)
+    whole = cpu_sampling.gumbel_argmax(x, None, keys)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one_thread = cpu_sampling.gumbel_argmax(x, None, keys)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(whole, one_thread)
+    for r in (0, 7, 15):
+        assert cpu_sampling.gumbel_argmax(x[r : r + 1], None, keys[r : r + 1]).item() == whole[r]
+
+
+def test_strided_rows() -> None:
+    """Rows of a wider tensor (row stride > V), as a slice hands them over."""
+    base = rows_of("wide", 6, 1100, seed=6)
+    x = base[:, 50:1074]
+    keys = keys_for(6, 7)
+    assert torch.equal(cpu_sampling.gumbel_argmax(x, None, keys), torch_argmax(x, None, keys))
+
+
+def test_rejects_bad_operands() -> None:
+    keys = keys_for(2, 0)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_sampling.gumbel_argmax(torch.zeros(2, 8, dtype=torch.float64), None, keys)
+    with pytest.raises(RuntimeError, match="row_keys"):
+        cpu_sampling.gumbel_argmax(torch.zeros(2, 8), None, keys.int())
+    with pytest.raises(RuntimeError, match="B = row_keys"):
+        cpu_sampling.gumbel_argmax(torch.zeros(3, 8), None, keys)
+    with pytest.raises(RuntimeError, match="thr"):
+        cpu_sampling.gumbel_argmax(torch.zeros(2, 8), torch.zeros(3), keys)
+
+
+def test_sampler_uses_it_and_chooses_the_same(torch_path: None) -> None:
+    """The whole sampler (temperature 1 and 0.7, mixed with greedy rows, with and without
+    logprobs) returns the same tokens and logprobs with the kernel as with the torch ops, and
+    calls it for the sampled rows."""
+    from test_sampler import make_info, req
+
+    from sglang.srt.layers.sampler import Sampler
+
+    logits = rows_of("peaked", 12, 3000, seed=8)
+    sampler = Sampler("pytorch")
+    calls = []
+
+    def counted(x: torch.Tensor, thr: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return cpu_sampling.gumbel_argmax(x, thr, keys)
+
+    for temps in ([1.0] * 12, [0.7, 0.0] * 6):
+        info = make_info([req(seed=i, position=5 + i, temperature=t) for i, t in enumerate(temps)],
+                         3000)  # fmt: skip
+        expected = sampler.forward(logits, info, True, None)
+        sampling_torch.use_cpu_gumbel_argmax(counted)
+        got = sampler.forward(logits, info, True, None)
+        sampling_torch.use_cpu_gumbel_argmax(None)
+        assert torch.equal(got.next_token_ids, expected.next_token_ids)
+        assert got.logprobs is not None and expected.logprobs is not None
+        assert torch.equal(got.logprobs, expected.logprobs)
+    assert calls == [12, 6]
+
+
+def test_model_runner_switches_it(tiny_model_dir: Callable[..., Path], torch_path: None) -> None:
+    """A CPU runner turns it on, or off with --disable-cpu-fused-ops."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.server_args import ServerArgs
+
+    path = str(tiny_model_dir("llama"))
+    config = ModelConfig(path, dtype="float32", device="cpu")
+    cases = [({}, cpu_sampling.gumbel_argmax), ({"disable_cpu_fused_ops": True}, None)]
+    for kwargs, expected in cases:
+        args = ServerArgs(model_path=path, device="cpu", max_total_tokens=64, **kwargs)
+        ModelRunner(args, config)
+        assert sampling_torch._cpu_gumbel_argmax is expected
+
+
+def test_engine_seeded_sampling_unchanged(
+    tiny_model_dir: Callable[..., Path], torch_path: None
+) -> None:
+    """A scheduler in process, seeded requests at temperature 1 with logprobs: the kernel and
+    the torch ops give the same tokens and logprobs (the same logits go in)."""
+    from scheduler_test_utils import OutputSink
+
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+    from sglang.srt.managers.scheduler_process import build_scheduler
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=str(tiny_model_dir("llama")), device="cpu", random_seed=0)
+    sink = OutputSink()
+    core = build_scheduler(args, sink.on_output, sink.on_reply)
+    assert sampling_torch._cpu_gumbel_argmax is cpu_sampling.gumbel_argmax
+    prompts = [[5, 17, 3, 99, 250, 8, 41], list(range(30, 90)), [7] * 3]
+    runs = []
+    for native in (cpu_sampling.gumbel_argmax, None):
+        sampling_torch.use_cpu_gumbel_argmax(native)
+        reqs = []
+        for i, ids in enumerate(prompts):
+            params = SamplingParams(
+                temperature=1.0, max_new_tokens=16, ignore_eos=True, sampling_seed=100 + i
+            )
+            params.normalize()
+            reqs.append(TokenizedGenerateReqInput(f"{native is None}-{i}", "", ids, params,
+                                                  return_logprob=True))  # fmt: skip
+        core.process_input_requests(reqs)
+        while core.has_runnable_work():
+            core.run_step()
+        runs.append([sink.by_rid[r.rid] for r in reqs])
+        assert core.flush_cache().success
+    for with_kernel, with_torch in zip(*runs):
+        assert len(with_kernel.output_ids) == 16
+        assert with_kernel.output_ids == with_torch.output_ids
+        assert with_kernel.logprobs == with_torch.logprobs

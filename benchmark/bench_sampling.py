@@ -7,7 +7,9 @@ cumulative top-p mask, multinomial). Two workloads: ``plain`` (temperature 1, no
 the usual RL rollout) and ``trunc`` (temperature 0.7, top_k 50, top_p 0.9).
 
 On CUDA the sampler is the fused Triton kernel (``--backend triton``, the default there); on
-CPU it is the torch reference (``pytorch``). Ratios compare timings of the same run.
+CPU it is the torch sampler (``pytorch``) with the C++ kernels the engine registers on CPU
+(python/sglang/srt/layers/cpu_sampling.py: the Gumbel-max and the softmax statistics), or with
+torch ops alone under ``--torch-ops``. Ratios compare timings of the same run.
 
     python benchmark/bench_sampling.py                      # B in {1, 64, 256}
     python benchmark/bench_sampling.py --batch-sizes 1 8 --repeats 5
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sglang.srt.layers.sampler import Sampler
+from sglang.srt.layers.sampler import Sampler, use_cpu_kernels
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -221,6 +223,12 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     parser.add_argument(
+        "--torch-ops",
+        action="store_true",
+        help="CPU, pytorch backend: torch ops alone, without the C++ sampling kernels that the "
+        "engine uses on CPU (as with its --disable-cpu-fused-ops)",
+    )
+    parser.add_argument(
         "--search-pivots",
         type=int,
         nargs="+",
@@ -237,8 +245,16 @@ def main() -> None:
         args.backend = "triton" if args.device == "cuda" else "pytorch"
     if args.threads:
         torch.set_num_threads(args.threads)
+    kernels = "n/a"
+    if args.device == "cpu" and args.backend == "pytorch":
+        from sglang.srt.layers import cpu_sampling
+
+        native = not args.torch_ops and cpu_sampling.load_kernel()
+        use_cpu_kernels(cpu_sampling.KERNELS if native else None)
+        kernels = "on" if native else "off"
     header = (
-        f"backend={args.backend} device={args.device} V={args.vocab} dtype={args.dtype} "
+        f"backend={args.backend} device={args.device} cpu_kernels={kernels} V={args.vocab} "
+        f"dtype={args.dtype} "
         f"entropy={args.entropy_mode} threads={torch.get_num_threads()} (median ms/step)\n"
         f"{'B':>5} {'work':>6} {'no entropy':>11} {'entropy':>11} {'ent/none':>9} "
         f"{'naive':>11} {'naive/ours':>12}"

@@ -77,3 +77,13 @@ def test_a_refused_flush_stops_the_benchmark(bench: Any) -> None:
 
     with pytest.raises(RuntimeError, match="hold KV cache"):
         bench.flush_prefix_cache(Refusing())
+
+
+def test_sampling_flags_shape_every_request(bench: Any) -> None:
+    """Greedy by default; --temperature above 0 brings --top-p and --top-k along."""
+    greedy = bench.sampling_params(argparse.Namespace(), 5)
+    assert greedy == {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 5}
+    args = argparse.Namespace(temperature=1.0, top_p=0.9, top_k=40)
+    assert bench.sampling_params(args, 7) == {
+        "temperature": 1.0, "ignore_eos": True, "max_new_tokens": 7, "top_p": 0.9, "top_k": 40,
+    }

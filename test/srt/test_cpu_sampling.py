@@ -1,11 +1,13 @@
-"""The C++ Gumbel-max of the CPU sampler (layers/cpu_sampling.py) against the torch ops of
-``sgl_kernel.sampling_torch`` it replaces: the same noise and the same tokens, bit for bit,
-and the engine's seeded sampling unchanged by it."""
+"""The C++ kernels of the CPU sampler (layers/cpu_sampling.py) against the torch ops of
+``sgl_kernel.sampling_torch`` they replace: the Gumbel-max's noise and tokens bit for bit, the
+softmax statistics within float32 rounding (against float64), and the engine's seeded
+sampling unchanged by them."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ import torch
 from sgl_kernel import sampling_torch
 from sglang.srt.layers import cpu_sampling
 from sglang.srt.layers.cpu_extension import avx2_host, platform_supported
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 pytestmark = pytest.mark.skipif(
     not (platform_supported() and avx2_host() and torch.backends.mkl.is_available()),
@@ -29,11 +32,11 @@ def kernel() -> None:
 
 @pytest.fixture
 def torch_path() -> Iterator[None]:
-    """The torch ops of _gumbel_argmax_full for the test's duration, then back as it was."""
-    saved = sampling_torch._cpu_gumbel_argmax
-    sampling_torch.use_cpu_gumbel_argmax(None)
+    """The torch ops for the test's duration, then the registration as it was."""
+    saved = sampling_torch.cpu_kernels()
+    sampling_torch.use_cpu_kernels(None)
     yield
-    sampling_torch.use_cpu_gumbel_argmax(saved)
+    sampling_torch.use_cpu_kernels(saved)
 
 
 def keys_for(rows: int, seed: int) -> torch.Tensor:
@@ -60,12 +63,12 @@ def rows_of(kind: str, rows: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 def torch_argmax(x: torch.Tensor, thr: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
-    saved = sampling_torch._cpu_gumbel_argmax
-    sampling_torch.use_cpu_gumbel_argmax(None)
+    saved = sampling_torch.cpu_kernels()
+    sampling_torch.use_cpu_kernels(None)
     try:
         return sampling_torch._gumbel_argmax_full(x, thr, keys)
     finally:
-        sampling_torch.use_cpu_gumbel_argmax(saved)
+        sampling_torch.use_cpu_kernels(saved)
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
@@ -151,33 +154,93 @@ def test_rejects_bad_operands() -> None:
         cpu_sampling.gumbel_argmax(torch.zeros(2, 8), torch.zeros(3), keys)
 
 
-def test_sampler_uses_it_and_chooses_the_same(torch_path: None) -> None:
-    """The whole sampler (temperature 1 and 0.7, mixed with greedy rows, with and without
-    logprobs) returns the same tokens and logprobs with the kernel as with the torch ops, and
-    calls it for the sampled rows."""
-    from test_sampler import make_info, req
+def stats_float64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(max, sum exp(x - max), sum exp(x - max) * (x - max)) per row, in float64."""
+    xd = x.double()
+    m = xd.amax(dim=1, keepdim=True)
+    d = (xd - m).clamp(min=torch.finfo(torch.float32).min)
+    e = d.exp()
+    return m.squeeze(1), e.sum(1), (e * d).sum(1)
+
+
+@pytest.mark.parametrize("kind", ["wide", "flat", "peaked", "ties"])
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_softmax_stats_against_float64(kind: str, vocab: int) -> None:
+    x = rows_of(kind, 9, vocab, seed=vocab + 2)
+    x[1, : vocab // 2] = float("-inf")  # masked columns add 0
+    row_max, sum_exp, sum_dev = cpu_sampling.softmax_stats(x, True)
+    want_max, want_sum, want_dev = stats_float64(x)
+    assert torch.equal(row_max.double(), want_max)  # the max is exact
+    torch.testing.assert_close(sum_exp.double(), want_sum, rtol=1e-6, atol=0)
+    assert sum_dev is not None
+    torch.testing.assert_close(sum_dev.double(), want_dev, rtol=1e-5, atol=1e-6)
+    no_dev = cpu_sampling.softmax_stats(x, False)
+    assert no_dev[2] is None and torch.equal(no_dev[1], sum_exp)
+
+
+def test_softmax_stats_special_rows_as_torch(torch_path: None) -> None:
+    """A row holding NaN, +inf, or only -inf gives NaN sums (and the torch ops' max), as the
+    torch ops do."""
+    x = rows_of("wide", 4, 100, seed=3)
+    x[0, 7] = float("nan")
+    x[1, 50] = float("inf")
+    x[2] = float("-inf")
+    want = sampling_torch.row_softmax_stats(x, True)
+    got = cpu_sampling.softmax_stats(x, True)
+    for g, w in zip(got, want):
+        assert g is not None and w is not None
+        assert torch.equal(g[:3].isnan(), w[:3].isnan())
+        assert torch.equal(g[:3].nan_to_num(), w[:3].nan_to_num())
+        assert torch.isfinite(g[3])
+
+
+def test_softmax_stats_row_independent_of_batch() -> None:
+    x = rows_of("peaked", 12, 49152, seed=11)
+    whole = cpu_sampling.softmax_stats(x, True)
+    for r in (0, 5, 11):
+        alone = cpu_sampling.softmax_stats(x[r : r + 1], True)
+        for a, w in zip(alone, whole):
+            assert a is not None and w is not None
+            assert torch.equal(a, w[r : r + 1])
+
+
+def test_sampler_on_the_kernels(torch_path: None) -> None:
+    """The whole sampler (temperature 1 and 0.7, mixed with greedy rows, top-p, entropy)
+    returns the torch ops' tokens with the kernels registered, logprobs and entropies within
+    float32 rounding, and calls them."""
+    from test_sampler import req
 
     from sglang.srt.layers.sampler import Sampler
 
     logits = rows_of("peaked", 12, 3000, seed=8)
     sampler = Sampler("pytorch")
-    calls = []
+    calls: list[str] = []
 
-    def counted(x: torch.Tensor, thr: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
-        calls.append(x.shape[0])
+    def gumbel(x: torch.Tensor, thr: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+        calls.append("gumbel")
         return cpu_sampling.gumbel_argmax(x, thr, keys)
 
-    for temps in ([1.0] * 12, [0.7, 0.0] * 6):
-        info = make_info([req(seed=i, position=5 + i, temperature=t) for i, t in enumerate(temps)],
-                         3000)  # fmt: skip
+    def stats(x: torch.Tensor, with_entropy: bool) -> Any:
+        calls.append("stats")
+        return cpu_sampling.softmax_stats(x, with_entropy)
+
+    counted = sampling_torch.CpuSamplingKernels(gumbel, stats)
+    cases = [{"temperature": 1.0}, {"temperature": 0.7}, {"temperature": 0.0},
+             {"temperature": 1.0, "top_p": 0.9}]  # fmt: skip
+    for params in ([cases[0]] * 12, cases * 3):
+        reqs = [req(seed=i, position=5 + i, **p) for i, p in enumerate(params)]
+        info = SamplingBatchInfo.from_reqs(reqs, 3000, "cpu", [("raw", None)] * 12)
+        plan = info.entropy_plan("raw", 0)
         expected = sampler.forward(logits, info, True, None)
-        sampling_torch.use_cpu_gumbel_argmax(counted)
+        sampling_torch.use_cpu_kernels(counted)
         got = sampler.forward(logits, info, True, None)
-        sampling_torch.use_cpu_gumbel_argmax(None)
+        sampling_torch.use_cpu_kernels(None)
+        assert plan is not None and got.entropies is not None and expected.entropies is not None
         assert torch.equal(got.next_token_ids, expected.next_token_ids)
         assert got.logprobs is not None and expected.logprobs is not None
-        assert torch.equal(got.logprobs, expected.logprobs)
-    assert calls == [12, 6]
+        torch.testing.assert_close(got.logprobs, expected.logprobs, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got.entropies, expected.entropies, rtol=1e-5, atol=1e-6)
+    assert "gumbel" in calls and "stats" in calls
 
 
 def test_model_runner_switches_it(tiny_model_dir: Callable[..., Path], torch_path: None) -> None:
@@ -188,18 +251,19 @@ def test_model_runner_switches_it(tiny_model_dir: Callable[..., Path], torch_pat
 
     path = str(tiny_model_dir("llama"))
     config = ModelConfig(path, dtype="float32", device="cpu")
-    cases = [({}, cpu_sampling.gumbel_argmax), ({"disable_cpu_fused_ops": True}, None)]
+    cases = [({}, cpu_sampling.KERNELS), ({"disable_cpu_fused_ops": True}, None)]
     for kwargs, expected in cases:
         args = ServerArgs(model_path=path, device="cpu", max_total_tokens=64, **kwargs)
         ModelRunner(args, config)
-        assert sampling_torch._cpu_gumbel_argmax is expected
+        assert sampling_torch.cpu_kernels() is expected
 
 
 def test_engine_seeded_sampling_unchanged(
     tiny_model_dir: Callable[..., Path], torch_path: None
 ) -> None:
-    """A scheduler in process, seeded requests at temperature 1 with logprobs: the kernel and
-    the torch ops give the same tokens and logprobs (the same logits go in)."""
+    """A scheduler in process, seeded requests at temperature 1 with logprobs: the kernels and
+    the torch ops give the same tokens, and logprobs within float32 rounding (the same logits
+    go in)."""
     from scheduler_test_utils import OutputSink
 
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
@@ -210,11 +274,11 @@ def test_engine_seeded_sampling_unchanged(
     args = ServerArgs(model_path=str(tiny_model_dir("llama")), device="cpu", random_seed=0)
     sink = OutputSink()
     core = build_scheduler(args, sink.on_output, sink.on_reply)
-    assert sampling_torch._cpu_gumbel_argmax is cpu_sampling.gumbel_argmax
+    assert sampling_torch.cpu_kernels() is cpu_sampling.KERNELS
     prompts = [[5, 17, 3, 99, 250, 8, 41], list(range(30, 90)), [7] * 3]
     runs = []
-    for native in (cpu_sampling.gumbel_argmax, None):
-        sampling_torch.use_cpu_gumbel_argmax(native)
+    for native in (cpu_sampling.KERNELS, None):
+        sampling_torch.use_cpu_kernels(native)
         reqs = []
         for i, ids in enumerate(prompts):
             params = SamplingParams(
@@ -231,4 +295,4 @@ def test_engine_seeded_sampling_unchanged(
     for with_kernel, with_torch in zip(*runs):
         assert len(with_kernel.output_ids) == 16
         assert with_kernel.output_ids == with_torch.output_ids
-        assert with_kernel.logprobs == with_torch.logprobs
+        assert with_kernel.logprobs == pytest.approx(with_torch.logprobs, abs=1e-5)

@@ -40,19 +40,45 @@ _SUM_CHUNK = 4096
 # Greedy argmax reduces chunks of this many columns with amax first (see _argmax).
 _ARGMAX_CHUNK = 1024
 
-# A native whole-vocabulary Gumbel-max for CPU rows, bitwise :func:`_gumbel_argmax_full`'s
-# torch ops (the engine registers its C++ kernel, sglang/srt/layers/cpu_sampling.py, which
-# checks those bits on the host first); None: the torch ops.
-GumbelArgmaxFn = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor], torch.Tensor]
-_cpu_gumbel_argmax: GumbelArgmaxFn | None = None
 
 
-def use_cpu_gumbel_argmax(fn: GumbelArgmaxFn | None) -> None:
-    """Make ``fn(x, thr, row_keys)`` (the contract of :func:`_gumbel_argmax_full`, bit for bit)
-    draw the whole-vocabulary Gumbel-max of float32 CPU rows, or go back to the torch ops
-    (None). Process-wide: the chosen tokens are the same either way, only the time differs."""
-    global _cpu_gumbel_argmax
-    _cpu_gumbel_argmax = fn
+class CpuSamplingKernels(NamedTuple):
+    """Native replacements for two whole-``[B, V]`` pieces on float32 CPU rows (the engine
+    registers its C++ kernels, sglang/srt/layers/cpu_sampling.py, with :func:`use_cpu_kernels`).
+
+    ``gumbel_argmax(x, thr, row_keys)``: :func:`_gumbel_argmax_full`'s tokens bit for bit.
+    ``softmax_stats(x, with_entropy)``: the (row_max, sum_exp, sum_exp_dev or None) of
+    :class:`SoftmaxStats`, summed in an order of its own (fixed per row, so still independent
+    of the batch): logprobs and entropies within float32 rounding of the torch ops'.
+    """
+
+    gumbel_argmax: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
+    softmax_stats: Callable[
+        [torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+    ]
+
+
+_cpu_kernels: CpuSamplingKernels | None = None
+
+
+def use_cpu_kernels(kernels: CpuSamplingKernels | None) -> None:
+    """Serve float32 CPU rows with ``kernels`` from now on, or with the torch ops (None).
+    Process-wide; prompt and decode logprobs keep sharing one normaliser (both come from
+    :func:`row_softmax_stats`)."""
+    global _cpu_kernels
+    _cpu_kernels = kernels
+
+
+def cpu_kernels() -> CpuSamplingKernels | None:
+    """The kernels :func:`use_cpu_kernels` registered last (None: the torch ops)."""
+    return _cpu_kernels
+
+
+def _native_for(x: torch.Tensor) -> CpuSamplingKernels | None:
+    """The registered kernels when ``x`` [b, V] is a float32 CPU tensor with dense rows."""
+    if _cpu_kernels is not None and x.is_cpu and x.dtype == torch.float32 and x.stride(1) == 1:
+        return _cpu_kernels
+    return None
 
 
 # ---- the noise ----------------------------------------------------------------------------
@@ -165,6 +191,9 @@ def row_softmax_stats(x: torch.Tensor, with_entropy: bool) -> SoftmaxStats:
     """:class:`SoftmaxStats` of ``x`` [b, V], bitwise independent of b (see row_logsumexp);
     ``sum_exp_dev`` only when ``with_entropy``. On CPU, rows are processed in chunks of about
     ``_CPU_CHUNK_ELEMS`` elements: the temporaries stay in cache (same values per row)."""
+    native = _native_for(x)
+    if native is not None and x.shape[1] > 0:
+        return SoftmaxStats(*native.softmax_stats(x, with_entropy))
     num_rows, vocab_size = x.shape
     step = max(_CPU_CHUNK_ELEMS // vocab_size, 1)
     if x.device.type != "cpu" or num_rows <= step:
@@ -298,9 +327,9 @@ def _gumbel_argmax_full(
     x: torch.Tensor, thr: torch.Tensor | None, row_keys: torch.Tensor
 ) -> torch.Tensor:
     """argmax over v with x[v] >= thr of x[v] + g[v] (first index on ties), whole vocab."""
-    native = _cpu_gumbel_argmax
-    if native is not None and x.is_cpu and x.dtype == torch.float32 and x.stride(1) == 1:
-        return native(x, thr, row_keys)
+    native = _native_for(x)
+    if native is not None:
+        return native.gumbel_argmax(x, thr, row_keys)
     num_rows, vocab_size = x.shape
     vocab_ids = torch.arange(vocab_size, dtype=torch.int64, device=x.device)
     out = torch.empty(num_rows, dtype=torch.int64, device=x.device)

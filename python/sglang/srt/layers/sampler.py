@@ -5,8 +5,8 @@
 contract of :mod:`sgl_kernel.sampling_contract` (the counter-based seeded noise of
 docs/sampling.md, the entropy definitions of docs/entropy.md) and choose the same tokens as
 its plain oracle for the same logits and seeds. The contract's public helpers, the row
-logsumexp of the torch backend and its switch to a native Gumbel-max on CPU
-(``use_cpu_gumbel_argmax``, set by the model runner) are re-exported here.
+logsumexp of the torch backend and its switch to native CPU kernels
+(``use_cpu_kernels``, set by the model runner) are re-exported here.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ from sgl_kernel.sampling_contract import (
     hash32,
     noise_row_keys,
 )
-from sgl_kernel.sampling_torch import row_logsumexp, use_cpu_gumbel_argmax
+from sgl_kernel.sampling_torch import CpuSamplingKernels, row_logsumexp, use_cpu_kernels
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import derive_seed
 
 __all__ = [
     "ENTROPY_MODES",
+    "CpuSamplingKernels",
     "HASH_MUL1",
     "HASH_MUL2",
     "MASK32",
@@ -48,7 +49,7 @@ __all__ = [
     "hash32",
     "noise_row_keys",
     "row_logsumexp",
-    "use_cpu_gumbel_argmax",
+    "use_cpu_kernels",
 ]
 
 SampleFn = Callable[

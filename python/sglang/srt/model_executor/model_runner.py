@@ -41,7 +41,7 @@ from sglang.srt.layers.cpu_prepack import (
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
-from sglang.srt.layers.sampler import get_logsumexp, use_cpu_gumbel_argmax
+from sglang.srt.layers.sampler import get_logsumexp, use_cpu_kernels
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.cpu_torch_compile import CompiledDecoderLayers, warm_up
@@ -352,7 +352,8 @@ class ModelRunner:
         if self._prepack_wanted():
             loaders += [load_small_linear_kernel, cpu_brgemm.load_kernel]
         if self._cpu_fused_ops_wanted():
-            loaders += [cpu_fused_ops.load_kernel, cpu_sampling.load_kernel]
+            # The sampling kernels' check runs later, on this thread (_enable_cpu_sampling_kernel).
+            loaders += [cpu_fused_ops.load_kernel, cpu_sampling.build_kernel]
         load_side_by_side(loaders)
 
     def _cpu_attention_kernel_wanted(self, backend: str) -> bool:
@@ -384,14 +385,15 @@ class ModelRunner:
         logger.info("CPU fused elementwise kernels: %d modules and the KV store", len(modules))
 
     def _enable_cpu_sampling_kernel(self) -> None:
-        """On CPU, the ``pytorch`` sampling backend's whole-vocabulary Gumbel-max runs in the C++
-        kernel (cpu_sampling.py: the same tokens bit for bit, ~4x faster), unless
-        --disable-cpu-fused-ops (or the kernel could not be built or checked). Process-wide
-        (sampling_torch.use_cpu_gumbel_argmax): the last CPU runner started decides."""
+        """On CPU, the ``pytorch`` sampler's whole-vocabulary Gumbel-max (the same tokens bit for
+        bit) and softmax statistics (logprobs, top-p, entropy) run in the C++ kernels of
+        cpu_sampling.py, unless --disable-cpu-fused-ops (or they could not be built or
+        checked). Process-wide (sampling_torch.use_cpu_kernels): the last CPU runner started
+        decides."""
         if torch.device(self.device).type != "cpu":
             return
         native = self._cpu_fused_ops_wanted() and cpu_sampling.load_kernel()
-        use_cpu_gumbel_argmax(cpu_sampling.gumbel_argmax if native else None)
+        use_cpu_kernels(cpu_sampling.KERNELS if native else None)
 
     def _enable_cpu_decode_loop(self) -> LlamaCpuDecodeLoop | None:
         """The decode loop of models/llama_cpu_decode.py where the C++ decode-attention

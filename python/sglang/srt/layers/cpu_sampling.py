@@ -165,6 +165,18 @@ const NoiseBounds& noise_bounds() {
   return bounds;
 }
 
+// The largest lane of v (-inf when every lane is), and whether any lane of m is set.
+inline float lane_max(vf v) {
+  float best = -kInf;
+  for (int64_t l = 0; l < kLanes; ++l) best = v[l] > best ? v[l] : best;
+  return best;
+}
+inline bool any_lane(vi m) {
+  bool any = false;
+  for (int64_t l = 0; l < kLanes; ++l) any |= m[l] != 0;
+  return any;
+}
+
 // A candidate: a score and its column.
 struct Best {
   float value;
@@ -216,12 +228,8 @@ int64_t row_gumbel_argmax(const float* __restrict x, int64_t V, uint32_t key, bo
     low = lower > low ? lower : low;
     nan |= xv != xv;
   }
-  float L = -kInf;
-  bool has_nan = false;
-  for (int64_t l = 0; l < kLanes; ++l) {
-    L = low[l] > L ? low[l] : L;
-    has_nan |= nan[l] != 0;
-  }
+  float L = lane_max(low);
+  bool has_nan = any_lane(nan);
   for (int64_t j = whole; j < V; ++j) {
     const uint32_t h = hash32(key ^ static_cast<uint32_t>(j));
     has_nan |= x[j] != x[j];
@@ -299,12 +307,8 @@ void row_softmax_stats(const float* __restrict x, int64_t V, bool with_entropy, 
     mv = xv > mv ? xv : mv;
     nan |= xv != xv;
   }
-  float m = -kInf;
-  bool has_nan = false;
-  for (int64_t l = 0; l < kLanes; ++l) {
-    m = mv[l] > m ? mv[l] : m;
-    has_nan |= nan[l] != 0;
-  }
+  float m = lane_max(mv);
+  bool has_nan = any_lane(nan);
   for (int64_t j = whole; j < V; ++j) {
     has_nan |= x[j] != x[j];
     m = x[j] > m ? x[j] : m;

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import argparse
 
-from bench_offline_throughput import add_workload_args, make_workload, run_engine
+from bench_offline_throughput import (
+    add_workload_args,
+    check_workload_args,
+    make_workload,
+    run_engine,
+)
 
 
 def main() -> None:
@@ -25,6 +30,7 @@ def main() -> None:
     )
     add_workload_args(parser)
     args = parser.parse_args()
+    check_workload_args(parser, args)
 
     from transformers import AutoConfig
 

@@ -470,6 +470,16 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_workload_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with a usage error for sampling flags (:func:`add_workload_args`) no engine takes."""
+    if not args.temperature >= 0:
+        parser.error("--temperature must be 0 (greedy) or above")
+    if not 0 < args.top_p <= 1:
+        parser.error("--top-p must be in (0, 1]")
+    if args.top_k == 0 or args.top_k < -1:
+        parser.error("--top-k must be -1 (off) or at least 1")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", required=True, help="model directory (Hugging Face layout)")
@@ -601,6 +611,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.compare == "vllm" and args.vllm_python == "python":
         parser.error("--compare vllm needs --vllm-python (vLLM lives in its own venv)")
+    check_workload_args(parser, args)
     if args.compare_rounds < 1:
         parser.error("--compare-rounds must be at least 1")
     if args.compare_rounds > 1 and args.compare != "vllm":

@@ -87,3 +87,14 @@ def test_sampling_flags_shape_every_request(bench: Any) -> None:
     assert bench.sampling_params(args, 7) == {
         "temperature": 1.0, "ignore_eos": True, "max_new_tokens": 7, "top_p": 0.9, "top_k": 40,
     }
+
+
+@pytest.mark.parametrize(
+    "flags", [["--temperature", "-1"], ["--top-p", "0"], ["--top-p", "nan"], ["--top-k", "0"]]
+)
+def test_sampling_flags_out_of_range_are_usage_errors(bench: Any, flags: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_workload_args(parser)
+    with pytest.raises(SystemExit) as exc:
+        bench.check_workload_args(parser, parser.parse_args(flags))
+    assert exc.value.code == 2

@@ -142,6 +142,15 @@ def test_strided_rows() -> None:
     assert torch.equal(cpu_sampling.gumbel_argmax(x, None, keys), torch_argmax(x, None, keys))
 
 
+def test_strided_thresholds() -> None:
+    """A threshold column sliced out of a wider tensor is taken as it is."""
+    x = rows_of("peaked", 5, 700, seed=12)
+    keys = keys_for(5, 13)
+    thr = torch.stack([x.amax(1) - 3, x.amin(1)], 1)[:, 0]
+    assert not thr.is_contiguous()
+    assert torch.equal(cpu_sampling.gumbel_argmax(x, thr, keys), torch_argmax(x, thr, keys))
+
+
 def test_rejects_bad_operands() -> None:
     keys = keys_for(2, 0)
     with pytest.raises(RuntimeError, match="float32"):

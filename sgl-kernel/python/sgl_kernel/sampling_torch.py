@@ -41,7 +41,6 @@ _SUM_CHUNK = 4096
 _ARGMAX_CHUNK = 1024
 
 
-
 class CpuSamplingKernels(NamedTuple):
     """Native replacements for two whole-``[B, V]`` pieces on float32 CPU rows (the engine
     registers its C++ kernels, sglang/srt/layers/cpu_sampling.py, with :func:`use_cpu_kernels`).
@@ -189,8 +188,10 @@ class SoftmaxStats(NamedTuple):
 
 def row_softmax_stats(x: torch.Tensor, with_entropy: bool) -> SoftmaxStats:
     """:class:`SoftmaxStats` of ``x`` [b, V], bitwise independent of b (see row_logsumexp);
-    ``sum_exp_dev`` only when ``with_entropy``. On CPU, rows are processed in chunks of about
-    ``_CPU_CHUNK_ELEMS`` elements: the temporaries stay in cache (same values per row)."""
+    ``sum_exp_dev`` only when ``with_entropy``. Float32 CPU rows go to the registered kernels
+    (:func:`use_cpu_kernels`) when there are any; otherwise, on CPU, rows are processed in
+    chunks of about ``_CPU_CHUNK_ELEMS`` elements: the temporaries stay in cache (same values
+    per row)."""
     native = _native_for(x)
     if native is not None and x.shape[1] > 0:
         return SoftmaxStats(*native.softmax_stats(x, with_entropy))

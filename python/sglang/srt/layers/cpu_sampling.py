@@ -42,7 +42,7 @@ from sglang.srt.layers.cpu_extension import CpuKernel
 
 logger = logging.getLogger(__name__)
 
-# Columns per chunk of a row: 3 float buffers of 4 KiB each stay in L1 with the row's logits.
+# Columns per chunk of a row: the noise's float buffers (4 KiB each) stay in L1.
 _CHUNK = 1024
 
 _CPP_SOURCE = r"""
@@ -474,17 +474,20 @@ def load_kernel() -> bool:
 
 
 def _same_bits_as_torch() -> bool:
-    from sgl_kernel.sampling_torch import _neg_gumbel_from_keys
+    from sgl_kernel.sampling_contract import noise_row_keys
+    from sgl_kernel.sampling_torch import gumbel_noise
 
     module = _KERNEL.loaded
     if not module.has_torch_ln():
         logger.info("CPU sampling kernel: this torch has no MKL vmsLn; using the torch ops")
         return False
-    # Keys at the ends of the 32-bit range, a vocabulary with a partial chunk and vector tail.
-    keys = torch.tensor([0, 1, 0x9E3779B9, 0xFFFFFFFF], dtype=torch.int64)
+    # Seeds at the ends of the 32-bit range, a vocabulary with a partial chunk and vector tail.
+    seeds = torch.tensor([0, 1, 0x9E3779B9, 0xFFFFFFFF], dtype=torch.int64)
+    positions = torch.tensor([0, 7, 1000, 2**31], dtype=torch.int64)
     vocab = 3 * _CHUNK + 37
-    expected = _neg_gumbel_from_keys(keys, torch.arange(vocab, dtype=torch.int64))
-    if torch.equal(module.neg_gumbel(keys, vocab).view(torch.int32), expected.view(torch.int32)):
+    expected = gumbel_noise(seeds, positions, vocab).neg_()  # -g, as the torch path draws it
+    got = module.neg_gumbel(noise_row_keys(seeds, positions), vocab)
+    if torch.equal(got.view(torch.int32), expected.view(torch.int32)):
         module.prepare()  # the noise bounds (~2^23 noise values, once per process)
         return True
     logger.warning("CPU sampling kernel: its noise differs from torch's on this host; using torch")
@@ -500,7 +503,8 @@ def gumbel_argmax(
     None); a row holding NaN scores gives its first NaN. Bitwise
     ``sgl_kernel.sampling_torch._gumbel_argmax_full``. Returns [B] int64.
     Precondition: :func:`load_kernel` returned True."""
-    return _KERNEL.loaded.gumbel_argmax(x, row_keys, thr, False)
+    thr = None if thr is None else thr.contiguous()
+    return _KERNEL.loaded.gumbel_argmax(x, row_keys.contiguous(), thr, False)
 
 
 def gumbel_argmax_exact(

@@ -3,12 +3,15 @@
 For each batch size B (V = 151936 by default, random logits) it times one sampling step of the
 engine's sampler (``Sampler.forward``: token + chosen logprob) without and with per-token
 entropy, and the naive torch sequence a patched deployment runs (softmax, entropy, sort,
-cumulative top-p mask, multinomial). Two workloads: ``plain`` (temperature 1, no truncation,
-the usual RL rollout) and ``trunc`` (temperature 0.7, top_k 50, top_p 0.9).
+cumulative top-p mask, multinomial). Three workloads: ``plain`` (temperature 1, no
+truncation, the usual RL rollout), ``trunc`` (temperature 0.7, top_k 50, top_p 0.9) and
+``nucleus`` (temperature 1, top_p 0.95 without top-k: on these logits a nucleus of thousands
+of tokens).
 
 On CUDA the sampler is the fused Triton kernel (``--backend triton``, the default there); on
 CPU it is the torch sampler (``pytorch``) with the C++ kernels the engine registers on CPU
-(python/sglang/srt/layers/cpu_sampling.py: the Gumbel-max and the softmax statistics), or with
+(python/sglang/srt/layers/cpu_sampling.py: the Gumbel-max, the softmax statistics and the
+top-p candidates), or with
 torch ops alone under ``--torch-ops``. Ratios compare timings of the same run.
 
     python benchmark/bench_sampling.py                      # B in {1, 64, 256}
@@ -42,6 +45,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 WORKLOADS = {
     "plain": {"temperature": 1.0},
     "trunc": {"temperature": 0.7, "top_k": 50, "top_p": 0.9},
+    "nucleus": {"temperature": 1.0, "top_p": 0.95},
 }
 
 
@@ -116,7 +120,7 @@ def bench_one(args: argparse.Namespace, batch: int, name: str) -> str:
         args.device,
     )
     return (
-        f"{batch:>5} {name:>6} {t_plain * 1e3:>11.2f} {t_ent * 1e3:>11.2f} "
+        f"{batch:>5} {name:>7} {t_plain * 1e3:>11.2f} {t_ent * 1e3:>11.2f} "
         f"{t_ent / t_plain:>9.3f} {t_naive * 1e3:>11.2f} {t_naive / t_ent:>12.2f}"
     )
 
@@ -256,7 +260,7 @@ def main() -> None:
         f"backend={args.backend} device={args.device} cpu_kernels={kernels} V={args.vocab} "
         f"dtype={args.dtype} "
         f"entropy={args.entropy_mode} threads={torch.get_num_threads()} (median ms/step)\n"
-        f"{'B':>5} {'work':>6} {'no entropy':>11} {'entropy':>11} {'ent/none':>9} "
+        f"{'B':>5} {'work':>7} {'no entropy':>11} {'entropy':>11} {'ent/none':>9} "
         f"{'naive':>11} {'naive/ours':>12}"
     )
     if args.verify_compare:

@@ -213,6 +213,122 @@ def test_softmax_stats_row_independent_of_batch() -> None:
             assert torch.equal(a, w[r : r + 1])
 
 
+def nucleus_of(x: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's candidates for every row at ``top_p`` (with the sampler's log_z)."""
+    log_z = sampling_torch.row_logsumexp(x)
+    return cpu_sampling.nucleus_candidates(x, log_z, torch.full((x.shape[0],), top_p))
+
+
+@pytest.mark.parametrize("kind", ["wide", "flat", "peaked", "ties"])
+@pytest.mark.parametrize("vocab", [7, 1000, 3 * 1024 + 37, 49152])
+@pytest.mark.parametrize("top_p", [0.0, 0.5, 0.95, 0.999])
+def test_nucleus_candidates_are_the_sorted_prefix(kind: str, vocab: int, top_p: float) -> None:
+    """Each served row gets its own largest values in descending order (the full sort's
+    prefix), holding at least top_p of its softmax (float64) unless they are every column
+    within 32 of the max; -inf after them; at most half the row."""
+    x = rows_of(kind, 9, vocab, seed=vocab + 5)
+    vals, lengths = nucleus_of(x, top_p)
+    assert vals.shape[1] == max(1, int(lengths.max()))
+    probs = torch.softmax(x.double(), dim=-1)
+    for r in range(x.shape[0]):
+        n = int(lengths[r])
+        assert n <= vocab // 2
+        assert torch.all(vals[r, n:] == float("-inf"))
+        if n == 0:
+            continue
+        assert torch.equal(vals[r, :n], x[r].sort(descending=True).values[:n])
+        within = x[r] > x[r].max() - 32
+        assert probs[r][x[r] >= vals[r, n - 1]].sum() >= top_p or n == int(within.sum())
+    if kind == "peaked" and vocab > 1000:  # a trained model's rows: a handful of candidates
+        assert int(lengths.max()) <= 16
+    if kind == "wide" and vocab == 49152 and top_p == 0.95:  # thousands, not the whole row
+        assert int(lengths.min()) > 1000 and int(lengths.max()) < 8192
+
+
+def test_nucleus_candidates_special_rows() -> None:
+    """NaN, +inf, only -inf and a non-finite log_z get no candidates (the sampler's old path
+    takes them); -inf columns never are candidates; more than half a row is none."""
+    x = rows_of("peaked", 6, 2000, seed=14)
+    x[0, 3] = float("nan")
+    x[1, 1999] = float("inf")
+    x[2] = float("-inf")
+    x[3, 1000:] = float("-inf")
+    x[5] = 1.0  # ties everywhere: the cut is the whole row
+    log_z = sampling_torch.row_logsumexp(x)
+    log_z[4] = float("nan")
+    vals, lengths = cpu_sampling.nucleus_candidates(x, log_z, torch.full((6,), 0.999))
+    assert lengths.tolist()[:3] == [0, 0, 0] and lengths[4] == 0 and lengths[5] == 0
+    n = int(lengths[3])
+    assert 0 < n <= 1000 and torch.isfinite(vals[3, :n]).all()
+    assert torch.equal(vals[3, :n], x[3].sort(descending=True).values[:n])
+
+
+def test_nucleus_candidates_row_independent_of_batch_and_threads() -> None:
+    x = rows_of("wide", 8, 6000, seed=15)
+    whole, lengths = nucleus_of(x, 0.9)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(nucleus_of(x, 0.9)[0], whole)
+    finally:
+        torch.set_num_threads(threads)
+    for r in (0, 7):
+        alone, n = nucleus_of(x[r : r + 1], 0.9)
+        assert int(n) == int(lengths[r]) and torch.equal(alone[0, : int(n)], whole[r, : int(n)])
+
+
+def test_nucleus_candidates_rejects_bad_operands() -> None:
+    x = torch.zeros(2, 8)
+    ok = torch.zeros(2)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_sampling.nucleus_candidates(x.double(), ok, ok)
+    with pytest.raises(RuntimeError, match="log_z and mass"):
+        cpu_sampling.nucleus_candidates(x, torch.zeros(3), ok)
+    with pytest.raises(RuntimeError, match="log_z and mass"):
+        cpu_sampling.nucleus_candidates(x, ok, ok.double())
+
+
+TRUNCATIONS = [
+    {"top_p": 0.95},
+    {"top_p": 0.5},
+    {"top_p": 0.999},
+    {"top_p": 0.9, "min_p": 0.01},
+    {"top_p": 0.95, "top_k": 3000},
+    {"top_k": 3000},
+    {"top_p": 0.9, "top_k": 20, "min_p": 0.1},
+]
+
+
+@pytest.mark.parametrize("kind", ["wide", "flat", "peaked", "ties"])
+@pytest.mark.parametrize("params", TRUNCATIONS, ids=lambda p: "-".join(map(str, p.values())))
+def test_truncation_on_candidates_is_the_full_sorts(
+    kind: str, params: dict[str, float], torch_path: None
+) -> None:
+    """Thresholds (exactly) and tokens with the candidates equal the torch path's (a topk
+    prefix, full sorts past it), rows mixed with top-p-only ones at temperature 1 and a NaN
+    row among them."""
+    from test_sampler import req
+
+    from sglang.srt.layers.sampler import Sampler
+
+    vocab, rows = 49152, 16
+    reqs = [req(seed=i, position=i, **(params if i % 4 else {"top_p": 0.95})) for i in range(rows)]
+    info = SamplingBatchInfo.from_reqs(reqs, vocab, "cpu", [("raw", None)] * rows)
+    x = rows_of(kind, rows, vocab, seed=21)
+    x[5, 9] = float("nan")  # the old path's row, inside a batch the candidates serve
+    log_z = sampling_torch.row_logsumexp(x)
+    trunc = (info.top_ks, info.top_ps, info.min_ps)
+    want = sampling_torch._truncation_thresholds(x, log_z, trunc, info)[0]
+    want_ids = Sampler("pytorch").forward(x, info, False, None).next_token_ids
+    sampling_torch.use_cpu_kernels(cpu_sampling.KERNELS)
+    got = sampling_torch._truncation_thresholds(x, log_z, trunc, info)[0]
+    got_ids = Sampler("pytorch").forward(x, info, False, None).next_token_ids
+    # Equal values (a NaN's sign may differ), which the threshold compares only as values.
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(got_ids, want_ids)
+    assert got_ids[5] == 9  # the NaN row's first NaN, as the contract's argmax takes it
+
+
 def test_sampler_on_the_kernels(torch_path: None) -> None:
     """The whole sampler (temperature 1 and 0.7, mixed with greedy rows, top-p, entropy)
     returns the torch ops' tokens with the kernels registered, logprobs and entropies within
@@ -233,7 +349,11 @@ def test_sampler_on_the_kernels(torch_path: None) -> None:
         calls.append("stats")
         return cpu_sampling.softmax_stats(x, with_entropy)
 
-    counted = sampling_torch.CpuSamplingKernels(gumbel, stats)
+    def nucleus(x: torch.Tensor, log_z: torch.Tensor, mass: torch.Tensor) -> Any:
+        calls.append("nucleus")
+        return cpu_sampling.nucleus_candidates(x, log_z, mass)
+
+    counted = sampling_torch.CpuSamplingKernels(gumbel, stats, nucleus)
     cases = [{"temperature": 1.0}, {"temperature": 0.7}, {"temperature": 0.0},
              {"temperature": 1.0, "top_p": 0.9}]  # fmt: skip
     for params in ([cases[0]] * 12, cases * 3):
@@ -249,7 +369,7 @@ def test_sampler_on_the_kernels(torch_path: None) -> None:
         assert got.logprobs is not None and expected.logprobs is not None
         torch.testing.assert_close(got.logprobs, expected.logprobs, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(got.entropies, expected.entropies, rtol=1e-5, atol=1e-6)
-    assert "gumbel" in calls and "stats" in calls
+    assert {"gumbel", "stats", "nucleus"} <= set(calls)
 
 
 def test_model_runner_switches_it(tiny_model_dir: Callable[..., Path], torch_path: None) -> None:

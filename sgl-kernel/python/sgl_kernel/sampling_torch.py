@@ -34,6 +34,9 @@ _CPU_CHUNK_ELEMS = 1 << 19
 # Top-p rows without top-k first look for their nucleus among this many largest logits and
 # fall back to a full sort only when the nucleus is larger (same result, much cheaper).
 _TOP_P_PREFIX_LEN = 256
+# The native nucleus candidates hold this much more than top_p of a row's mass, so that the
+# float32 cumulative sum over them reaches top_p (a shortfall costs a fallback, not a token).
+_NUCLEUS_MASS_MARGIN = 1e-4
 # Row sums add chunks of this many columns: below ATen's parallel grain (32768), so each chunk
 # is always reduced by a single thread in a fixed order.
 _SUM_CHUNK = 4096
@@ -49,11 +52,19 @@ class CpuSamplingKernels(NamedTuple):
     ``softmax_stats(x, with_entropy)``: the (row_max, sum_exp, sum_exp_dev or None) of
     :class:`SoftmaxStats`, summed in an order of its own (fixed per row, so still independent
     of the batch): logprobs and entropies within float32 rounding of the torch ops'.
+    ``nucleus_candidates(x, log_z, mass)``: per row, its largest values, sorted descending,
+    holding at least ``mass`` of its softmax, every value left out at most every value kept
+    (so, the row's sorted prefix): (values [b, W] padded with -inf, lengths [b] int64, 0 where
+    it does not serve the row). It only saves work: the thresholds are computed and checked
+    here, as from any sorted prefix.
     """
 
     gumbel_argmax: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
     softmax_stats: Callable[
         [torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+    ]
+    nucleus_candidates: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
     ]
 
 
@@ -318,8 +329,10 @@ def _sample_rows(
     thr, prefix = _truncation_thresholds(x, log_z, params, info)
     if prefix is not None:
         vals, idx = prefix
-        # The allowed set {x >= thr} lies inside the prefix when thr beats its last value.
-        if idx.shape[1] == x.shape[1] or bool((thr > vals[:, -1]).all()):
+        # The allowed set {x >= thr} lies inside the prefix when thr beats its last value. A
+        # NaN row (topk puts NaN first) takes the whole-row pass, which picks its first NaN.
+        inside = idx.shape[1] == x.shape[1] or bool((thr > vals[:, -1]).all())
+        if inside and not bool(vals[:, 0].isnan().any()):
             return _gumbel_argmax_prefix(vals, idx, thr, row_keys, x.shape[1]), thr
     return _gumbel_argmax_full(x, thr, row_keys), thr
 
@@ -380,26 +393,73 @@ def _truncation_thresholds(
 
     t = max(k-th largest x, x of the token whose cumulative prob first reaches top_p,
     max x + log(min_p)); a disabled criterion contributes -inf. ``params``: the rows'
-    (top_ks, top_ps, min_ps). Returns (t [b], the descending prefix (values, indices) it was
-    read from, or None when no sort was needed).
+    (top_ks, top_ps, min_ps). Returns (t [b], a descending prefix (values, indices) of every
+    row holding its allowed set when t beats the prefix's last value, or None).
     """
     if not (info.need_top_k or info.need_top_p):
         row_max = x.max(dim=-1, keepdim=True).values
         return _thresholds_from_sorted(row_max, None, params, info)[0], None
+    native = _native_for(x) if info.top_p_without_top_k else None
+    if native is not None:
+        return _thresholds_from_candidates(x, log_z, params, info, native), None
+    return _thresholds_from_topk(x, log_z, params, info)
+
+
+def _thresholds_from_topk(
+    x: torch.Tensor,
+    log_z: torch.Tensor | None,
+    params: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    info: SamplingRows,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`_truncation_thresholds` from a ``topk`` prefix (max top_k + 1 values, at least
+    :data:`_TOP_P_PREFIX_LEN` for top-p rows without top-k); rows whose nucleus is longer take
+    a full sort. Returns (t, the prefix)."""
     prefix_len = min(x.shape[1], info.max_top_k + 1)
     if info.top_p_without_top_k:
         prefix_len = min(x.shape[1], max(prefix_len, _TOP_P_PREFIX_LEN))
     vals, idx = x.topk(prefix_len, dim=-1)
     thr, unresolved = _thresholds_from_sorted(vals, log_z, params, info)
-    if unresolved is not None and bool(unresolved.any()):
+    if bool(unresolved.any()):
         # Some nucleus is larger than the prefix: redo those rows on a full sort. The prefix
         # of the sort has the same values, so cumulative sums and thresholds agree.
         rows = unresolved.nonzero().squeeze(1)
         assert log_z is not None
         full = _sorted_descending(x[rows])
-        row_params = (params[0][rows], params[1][rows], params[2][rows])
-        thr[rows] = _thresholds_from_sorted(full, log_z[rows], row_params, info)[0]
+        thr[rows] = _thresholds_from_sorted(full, log_z[rows], _rows_of(params, rows), info)[0]
     return thr, (vals, idx)
+
+
+def _thresholds_from_candidates(
+    x: torch.Tensor,
+    log_z: torch.Tensor | None,
+    params: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    info: SamplingRows,
+    native: CpuSamplingKernels,
+) -> torch.Tensor:
+    """:func:`_truncation_thresholds` from the native kernel's candidates: per row, its largest
+    values holding its top-p mass with a margin. Sorted, they are the row's sorted prefix, so
+    the thresholds are those of a full sort; rows they do not settle (a top-k beyond them that
+    top-p and min-p do not dominate, the float32 cumulative sum short of top_p, NaN or
+    infinite rows) take :func:`_thresholds_from_topk`. Costs about two passes over a row and a
+    sort of its candidates, where a nucleus of thousands of tokens would sort the whole row.
+    Returns t [b]."""
+    assert log_z is not None, "top-p needs the row log-normaliser"
+    top_ps = params[1]
+    mass = torch.where(top_ps < 1.0, (top_ps + _NUCLEUS_MASS_MARGIN).clamp_(max=1.0), 0.0)
+    cands, lengths = native.nucleus_candidates(x, log_z, mass)
+    thr, unresolved = _thresholds_from_sorted(cands, log_z, params, info, lengths)
+    if bool(unresolved.all()):
+        return _thresholds_from_topk(x, log_z, params, info)[0]
+    if bool(unresolved.any()):
+        rows = unresolved.nonzero().squeeze(1)
+        thr[rows] = _thresholds_from_topk(x[rows], log_z[rows], _rows_of(params, rows), info)[0]
+    return thr
+
+
+def _rows_of(
+    params: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return params[0][rows], params[1][rows], params[2][rows]
 
 
 def _sorted_descending(x: torch.Tensor) -> torch.Tensor:
@@ -415,33 +475,51 @@ def _thresholds_from_sorted(
     log_z: torch.Tensor | None,
     params: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     info: SamplingRows,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Thresholds from the K largest values ``vals`` [b, K] (descending; K = V is a full sort).
 
-    ``log_z`` [b]: row_logsumexp of the whole row (needed for top-p). Returns (thr [b],
-    rows whose top-p crossing lies beyond the prefix and is not dominated, or None).
+    ``log_z`` [b]: row_logsumexp of the whole row (needed for top-p). ``lengths`` [b]: each
+    row's own prefix length when they differ (``vals`` padded with -inf after it; 0: no prefix),
+    None when every row has K. Returns (thr [b], the rows that need more than their prefix: a
+    top-p crossing beyond it that the other criteria do not dominate, a top-k beyond it, or no
+    prefix).
     """
     top_ks, top_ps, min_ps = params
     num_rows, prefix_len = vals.shape
     neg_inf = torch.full((num_rows,), float("-inf"), device=vals.device)
+    if lengths is None:
+        ends = torch.full((num_rows,), prefix_len, dtype=torch.int64, device=vals.device)
+        no_prefix = torch.zeros(num_rows, dtype=torch.bool, device=vals.device)
+    else:
+        ends = lengths.clamp(min=1)
+        no_prefix = lengths == 0
+    # A full sort (a prefix of V) leaves nothing beyond it.
+    partial = (ends if lengths is None else lengths) < info.vocab_size
+    last = vals.gather(1, (ends - 1)[:, None]).squeeze(1)
+    # thr: the criteria read off the prefix; a criterion that lies beyond it is at most its
+    # last value, so it matters only where thr is below that (then the row is unresolved).
     thr = neg_inf
+    beyond = torch.zeros_like(no_prefix)
     if info.need_min_p:
         thr = torch.where(min_ps > 0, vals[:, 0] + torch.log(min_ps), neg_inf)
     if info.need_top_k:
-        kth = vals.gather(1, (top_ks.clamp(max=prefix_len) - 1)[:, None]).squeeze(1)
-        thr = torch.maximum(thr, torch.where(top_ks < info.vocab_size, kth, neg_inf))
-    if not info.need_top_p:
-        return thr, None
-    assert log_z is not None, "top-p needs the row log-normaliser"
-    cum_probs = torch.exp(vals - log_z[:, None]).cumsum(dim=-1)
-    # Tokens before the crossing one have cumulative prob < top_p; the crossing one is kept.
-    num_before = (cum_probs < top_ps[:, None]).sum(dim=-1)
-    crossing = vals.gather(1, num_before.clamp(max=prefix_len - 1)[:, None]).squeeze(1)
-    uses_top_p = top_ps < 1.0
-    unresolved = uses_top_p & (num_before >= prefix_len) & (thr < vals[:, -1])
-    thr = torch.maximum(thr, torch.where(uses_top_p, crossing, neg_inf))
-    # A full sort (K = V) leaves nothing beyond the prefix.
-    return thr, None if prefix_len == info.vocab_size else unresolved
+        uses_top_k = top_ks < info.vocab_size
+        k_beyond = uses_top_k & (top_ks > ends) & partial
+        kth = vals.gather(1, (torch.minimum(top_ks, ends) - 1)[:, None]).squeeze(1)
+        thr = torch.maximum(thr, torch.where(uses_top_k & ~k_beyond, kth, neg_inf))
+        beyond |= k_beyond
+    if info.need_top_p:
+        assert log_z is not None, "top-p needs the row log-normaliser"
+        cum_probs = torch.exp(vals - log_z[:, None]).cumsum(dim=-1)
+        # Tokens before the crossing one have cumulative prob < top_p; the crossing one is kept.
+        num_before = (cum_probs < top_ps[:, None]).sum(dim=-1)
+        crossing = vals.gather(1, torch.minimum(num_before, ends - 1)[:, None]).squeeze(1)
+        uses_top_p = top_ps < 1.0
+        p_beyond = uses_top_p & (num_before >= ends) & partial
+        thr = torch.maximum(thr, torch.where(uses_top_p & ~p_beyond, crossing, neg_inf))
+        beyond |= p_beyond
+    return thr, no_prefix | (beyond & (thr < last))
 
 
 # ---- entropy --------------------------------------------------------------------------------

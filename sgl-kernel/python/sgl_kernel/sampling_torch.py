@@ -459,6 +459,7 @@ def _thresholds_from_candidates(
 def _rows_of(
     params: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (top_ks, top_ps, min_ps) of the rows ``rows``."""
     return params[0][rows], params[1][rows], params[2][rows]
 
 

@@ -195,10 +195,12 @@ class ServerArgs(UpstreamOnlyArgs):
         False,
         "On CPU, run each decoder layer's elementwise pieces (add + RMSNorm, SiLU-and-mul, "
         "RoPE, the K/V store into the pool) as torch ops instead of one C++ call each, and "
-        "the pytorch sampler's seeded Gumbel-max over the vocabulary as torch ops instead of "
-        "one C++ pass per row (compiled at model load and cached in torch's extensions "
-        "directory; they round where the torch ops round, the sampler's tokens are the same "
-        "bit for bit; see docs/performance.md).",
+        "the pytorch sampler's passes over the vocabulary (the seeded Gumbel-max, the softmax "
+        "statistics behind logprobs, top-p and entropy, the top-p candidates) as torch ops "
+        "instead of one C++ pass per row each (compiled at model load and cached in torch's "
+        "extensions directory; they round where the torch ops round, the sampler's tokens are "
+        "the same bit for bit, logprobs and entropies within float32 rounding; see "
+        "docs/performance.md and docs/sampling.md).",
     )
     disable_cpu_decode_loop: bool = _arg(
         False,

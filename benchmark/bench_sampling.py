@@ -11,8 +11,8 @@ of tokens).
 On CUDA the sampler is the fused Triton kernel (``--backend triton``, the default there); on
 CPU it is the torch sampler (``pytorch``) with the C++ kernels the engine registers on CPU
 (python/sglang/srt/layers/cpu_sampling.py: the Gumbel-max, the softmax statistics and the
-top-p candidates), or with
-torch ops alone under ``--torch-ops``. Ratios compare timings of the same run.
+top-p candidates), or with torch ops alone under ``--torch-ops``. Ratios compare timings of
+the same run.
 
     python benchmark/bench_sampling.py                      # B in {1, 64, 256}
     python benchmark/bench_sampling.py --batch-sizes 1 8 --repeats 5

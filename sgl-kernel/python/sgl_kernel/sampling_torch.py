@@ -45,7 +45,7 @@ _ARGMAX_CHUNK = 1024
 
 
 class CpuSamplingKernels(NamedTuple):
-    """Native replacements for two whole-``[B, V]`` pieces on float32 CPU rows (the engine
+    """Native replacements for three whole-``[B, V]`` pieces on float32 CPU rows (the engine
     registers its C++ kernels, sglang/srt/layers/cpu_sampling.py, with :func:`use_cpu_kernels`).
 
     ``gumbel_argmax(x, thr, row_keys)``: :func:`_gumbel_argmax_full`'s tokens bit for bit.
@@ -419,13 +419,12 @@ def _thresholds_from_topk(
         prefix_len = min(x.shape[1], max(prefix_len, _TOP_P_PREFIX_LEN))
     vals, idx = x.topk(prefix_len, dim=-1)
     thr, unresolved = _thresholds_from_sorted(vals, log_z, params, info)
-    if bool(unresolved.any()):
-        # Some nucleus is larger than the prefix: redo those rows on a full sort. The prefix
-        # of the sort has the same values, so cumulative sums and thresholds agree.
-        rows = unresolved.nonzero().squeeze(1)
-        assert log_z is not None
-        full = _sorted_descending(x[rows])
-        thr[rows] = _thresholds_from_sorted(full, log_z[rows], _rows_of(params, rows), info)[0]
+    # Some nucleus is larger than the prefix: redo those rows on a full sort. The prefix of the
+    # sort has the same values, so cumulative sums and thresholds agree.
+    _redo_rows(
+        thr, unresolved, x, log_z, params,
+        lambda xr, zr, pr: _thresholds_from_sorted(_sorted_descending(xr), zr, pr, info)[0],
+    )  # fmt: skip
     return thr, (vals, idx)
 
 
@@ -448,19 +447,35 @@ def _thresholds_from_candidates(
     mass = torch.where(top_ps < 1.0, (top_ps + _NUCLEUS_MASS_MARGIN).clamp_(max=1.0), 0.0)
     cands, lengths = native.nucleus_candidates(x, log_z, mass)
     thr, unresolved = _thresholds_from_sorted(cands, log_z, params, info, lengths)
-    if bool(unresolved.all()):
-        return _thresholds_from_topk(x, log_z, params, info)[0]
-    if bool(unresolved.any()):
-        rows = unresolved.nonzero().squeeze(1)
-        thr[rows] = _thresholds_from_topk(x[rows], log_z[rows], _rows_of(params, rows), info)[0]
+    _redo_rows(
+        thr, unresolved, x, log_z, params,
+        lambda xr, zr, pr: _thresholds_from_topk(xr, zr, pr, info)[0],
+    )  # fmt: skip
     return thr
 
 
-def _rows_of(
-    params: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The (top_ks, top_ps, min_ps) of the rows ``rows``."""
-    return params[0][rows], params[1][rows], params[2][rows]
+_Params = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _redo_rows(
+    thr: torch.Tensor,
+    unresolved: torch.Tensor,
+    x: torch.Tensor,
+    log_z: torch.Tensor | None,
+    params: _Params,
+    thresholds: Callable[[torch.Tensor, torch.Tensor, _Params], torch.Tensor],
+) -> None:
+    """``thr[r] = thresholds(x[r], log_z[r], params of r)`` for the ``unresolved`` rows r, in
+    place (every row at once, without copying ``x``, when all are)."""
+    if not bool(unresolved.any()):
+        return
+    assert log_z is not None, "rows are left unresolved by top-p batches only"
+    if bool(unresolved.all()):
+        thr.copy_(thresholds(x, log_z, params))
+        return
+    rows = unresolved.nonzero().squeeze(1)
+    row_params = (params[0][rows], params[1][rows], params[2][rows])
+    thr[rows] = thresholds(x[rows], log_z[rows], row_params)
 
 
 def _sorted_descending(x: torch.Tensor) -> torch.Tensor:

@@ -386,8 +386,8 @@ class ModelRunner:
 
     def _enable_cpu_sampling_kernel(self) -> None:
         """On CPU, the ``pytorch`` sampler's whole-vocabulary Gumbel-max (the same tokens bit for
-        bit) and softmax statistics (logprobs, top-p, entropy) run in the C++ kernels of
-        cpu_sampling.py, unless --disable-cpu-fused-ops (or they could not be built or
+        bit), softmax statistics (logprobs, top-p, entropy) and top-p candidates run in the C++
+        kernels of cpu_sampling.py, unless --disable-cpu-fused-ops (or they could not be built or
         checked). Process-wide (sampling_torch.use_cpu_kernels): the last CPU runner started
         decides."""
         if torch.device(self.device).type != "cpu":

@@ -100,6 +100,43 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype, rows: int, d: int) -> No
         assert_within_rounding(got, expected)
 
 
+def bf16_bits(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int16).view(torch.bfloat16)
+
+
+def test_silu_and_mul_bf16_rounds_nan_and_denormals_as_the_scalar_path() -> None:
+    """Lanes whose rounding a CPU's own bfloat16 conversion (AVX512-BF16) would get wrong: it
+    flushes denormals to zero and keeps a NaN's sign and payload, where the kernels' rounding
+    (from_f32) keeps the denormal and gives 0x7fc0. Each sits among ordinary lanes of the
+    16-lane path (columns < 32 of d = 45), whose rounding must then fall back for the vector,
+    and again in the scalar tail (columns 32-44): the two give the same bits, and the exact
+    denormal results are torch's."""
+    torch.manual_seed(0)
+    d = 45
+    x = (torch.randn(3, 2 * d) * 2).bfloat16()
+    g, u = x[:, :d], x[:, d:]
+    cases = [(0, 5, 35), (1, 17, 38), (2, 30, 41)]  # (row, vector column, tail column)
+    for col in (5, 35):
+        g[0, col] = bf16_bits([-63])[0]  # 0xffc1: a NaN with the sign bit set
+    for col in (17, 38):
+        g[1, col], u[1, col] = 20.0, bf16_bits([1])[0]  # 20 x 2^-133: a denormal product
+    for col in (30, 41):
+        g[2, col], u[2, col] = bf16_bits([3])[0], 1.0  # silu of a denormal: a denormal (g / 2)
+    got = cpu_fused_ops.silu_and_mul(x)
+    bits = got.view(torch.int16)
+    expected = F.silu(g) * u
+    for row, vec_col, tail_col in cases:
+        assert bits[row, vec_col] == bits[row, tail_col]
+    assert bits[0, 5].item() == 0x7FC0
+    assert bits[1, 17].item() == 20
+    for row, col in ((1, 17), (2, 30)):
+        assert bits[row, col] == expected[row, col].view(torch.int16)
+    keep = torch.ones_like(got, dtype=torch.bool)
+    for row, vec_col, tail_col in cases:
+        keep[row, vec_col] = keep[row, tail_col] = False
+    assert_within_rounding(got[keep], expected[keep])
+
+
 def rotary(rotary_dim: int, scaling: dict | None = None) -> RotaryEmbedding:
     inv_freq, factor = _inv_freq_for(10000.0, rotary_dim, 4096, scaling)
     return RotaryEmbedding(64, rotary_dim, 4096, inv_freq, factor)

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -204,9 +205,10 @@ def engine_label(args: argparse.Namespace, layout: str, **overrides: Any) -> str
 
 
 def engine_line(label: str, result: EngineResult) -> str:
+    pause = "skipped" if math.isnan(result.pause_ms) else f"{result.pause_ms:6.1f} ms"
     return (
         f"sglang.Engine {label}: {result.throughput:8.1f} out tok/s   batch-1 decode "
-        f"{result.batch1:6.1f} tok/s   pause+continue {result.pause_ms:6.1f} ms   "
+        f"{result.batch1:6.1f} tok/s   pause+continue {pause}   "
         f"start-up {result.startup:.1f} s"
     )
 
@@ -645,8 +647,9 @@ def main() -> None:
         print(engine_line(engine_label(args, "dp1 x tp1"), one))
         print(
             f"ratio ({layout} / 1): throughput {eng.throughput / one.throughput:.2f}x   batch-1 "
-            f"decode {eng.batch1 / one.batch1:.2f}x   pause+continue "
-            f"{eng.pause_ms / one.pause_ms:.2f}x"
+            f"decode {eng.batch1 / one.batch1:.2f}x"
+            + ("" if math.isnan(eng.pause_ms) else
+               f"   pause+continue {eng.pause_ms / one.pause_ms:.2f}x")
         )
     compared = {
         **(CUDA_GRAPH_COMPARE if args.cuda_graph_compare else {}),

@@ -90,18 +90,19 @@ PREFILL_GRAPH_COMPARE: dict[str, dict[str, Any]] = {
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[int], int]]:
+    """``(prompt ids, output length)`` per request: ``--num-prompts`` random prompts, each
+    sent ``--group-size`` times in a row with its own output length (one draw per request)."""
     rng = random.Random(args.seed)
     low = min(1000, vocab_size // 4)  # skip the special tokens at the start of the vocabulary
-    return [
-        (
-            [
-                rng.randrange(low, vocab_size)
-                for _ in range(rng.randint(args.min_input, args.max_input))
-            ],
-            rng.randint(args.min_output, args.max_output),
-        )
-        for _ in range(args.num_prompts)
-    ]
+    work = []
+    for _ in range(args.num_prompts):
+        prompt = [
+            rng.randrange(low, vocab_size)
+            for _ in range(rng.randint(args.min_input, args.max_input))
+        ]
+        for _ in range(getattr(args, "group_size", 1)):
+            work.append((prompt, rng.randint(args.min_output, args.max_output)))
+    return work
 
 
 def sampling_params(args: argparse.Namespace, max_new_tokens: int) -> dict[str, Any]:
@@ -342,6 +343,7 @@ def run_vllm(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> tup
                     "top_p": args.top_p,
                     "top_k": args.top_k,
                     "return_logprob": args.return_logprob,
+                    "prefix_caching": args.group_size > 1,
                     "work": work,
                 },
                 f,
@@ -385,6 +387,14 @@ def compare_vllm(
         )
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_workload_shape_args(parser: argparse.ArgumentParser) -> None:
     """The flags that shape the workload (:func:`make_workload`) but its seed; shared with
     bench_step_breakdown.py."""
@@ -392,7 +402,17 @@ def add_workload_shape_args(parser: argparse.ArgumentParser) -> None:
         "--num-prompts",
         type=int,
         default=64,
-        help="requests in the workload (default: %(default)s)",
+        help="distinct prompts in the workload; requests: this times --group-size "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--group-size",
+        type=positive_int,
+        default=1,
+        help="requests per prompt, sent in a row, each with its own output length, as an RL "
+        "trainer samples a group of answers per prompt; above 1 vLLM runs with its prefix "
+        "caching on (its default), as sharing the prompt is what is compared "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--min-input",

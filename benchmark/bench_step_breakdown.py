@@ -111,6 +111,7 @@ def main() -> None:
         max_input=args.max_input,
         min_output=args.min_output,
         max_output=args.max_output,
+        group_size=args.group_size,
     )
     server_args = ServerArgs(
         model_path=args.model_path,

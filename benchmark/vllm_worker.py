@@ -29,7 +29,11 @@ def main() -> None:
 
     torch.set_num_threads(spec["threads"])
     start = time.perf_counter()
-    llm = LLM(model=spec["model_path"], dtype=spec["dtype"], seed=0, enable_prefix_caching=False)
+    prefix_caching = bool(spec.get("prefix_caching", False))
+    llm = LLM(
+        model=spec["model_path"], dtype=spec["dtype"], seed=0,
+        enable_prefix_caching=prefix_caching,
+    )
     startup = time.perf_counter() - start
     work = spec["work"]
 
@@ -44,6 +48,8 @@ def main() -> None:
         return SamplingParams(max_tokens=n, ignore_eos=True, **sampling)
 
     llm.generate([{"prompt_token_ids": work[0][0]}], params(8), use_tqdm=False)  # warm-up
+    if prefix_caching:  # as the engine's cache is flushed: no prompt of the timed run cached
+        llm.reset_prefix_cache()
     start = time.perf_counter()
     outs = llm.generate(
         [{"prompt_token_ids": ids} for ids, _ in work], [params(n) for _, n in work], use_tqdm=False

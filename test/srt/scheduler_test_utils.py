@@ -60,6 +60,7 @@ class FakeWorker:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.num_forwards = 0
+        self.extended_tokens = 0  # prompt tokens computed by the extend steps so far
 
     def launch_batch_generation(
         self,
@@ -85,6 +86,7 @@ class FakeWorker:
         ids = forward_batch.input_ids.tolist()
         positions = forward_batch.positions.tolist()
         if forward_batch.forward_mode == ForwardMode.EXTEND:
+            self.extended_tokens += sum(forward_batch.extend_seq_lens_cpu)
             ends = torch.tensor(forward_batch.extend_seq_lens_cpu).cumsum(0).tolist()
             last = [(ids[e - 1], positions[e - 1]) for e in ends]
         else:
@@ -118,6 +120,7 @@ class RidRecord:
     messages_after_final: int = 0
     num_retractions: int = 0
     weight_version: str = ""  # the label the last message carried
+    cached_tokens: int = 0  # as the last message reported it
 
 
 class OutputSink:
@@ -135,6 +138,7 @@ class OutputSink:
             rec.output_ids += msg.decode_ids[i]
             rec.num_retractions = msg.retraction_counts[i]
             rec.weight_version = msg.weight_version
+            rec.cached_tokens = msg.cached_tokens[i]
             if msg.output_token_logprobs_val is not None:
                 rec.logprobs += msg.output_token_logprobs_val[i]
             if msg.output_token_entropy_val is not None:

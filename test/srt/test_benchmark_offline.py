@@ -98,3 +98,25 @@ def test_sampling_flags_out_of_range_are_usage_errors(bench: Any, flags: list[st
     with pytest.raises(SystemExit) as exc:
         bench.check_workload_args(parser, parser.parse_args(flags))
     assert exc.value.code == 2
+
+
+def test_group_size_repeats_each_prompt(bench: Any) -> None:
+    """--group-size G sends each prompt G times in a row, each with its own output length; at
+    1 the workload is the one drawn before the flag existed (the same draws in the same
+    order), and a group size below 1 is a usage error."""
+    shape = {"seed": 3, "num_prompts": 5, "min_input": 4, "max_input": 9,
+             "min_output": 2, "max_output": 50}
+    single = bench.make_workload(argparse.Namespace(**shape), 1000)
+    assert single == bench.make_workload(argparse.Namespace(**shape, group_size=1), 1000)
+    grouped = bench.make_workload(argparse.Namespace(**shape, group_size=4), 1000)
+    assert len(single) == 5 and len(grouped) == 20
+    prompts = [ids for ids, _ in grouped]
+    assert all(prompts[i] == prompts[i - i % 4] for i in range(20))
+    assert len({tuple(p) for p in prompts}) == 5
+    assert grouped[0][0] == single[0][0]
+    assert len({n for _, n in grouped}) > 5  # output lengths drawn per request
+    parser = argparse.ArgumentParser()
+    bench.add_workload_args(parser)
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--group-size", "0"])
+    assert exc.value.code == 2

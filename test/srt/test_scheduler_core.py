@@ -386,7 +386,8 @@ def test_invariant_check_catches_a_page_with_two_owners(model_dir: str) -> None:
     reported, as is a page listed free twice."""
     core, _, _ = make_core(model_dir)
     submit(core, "a", PROMPTS["a"], 8)
-    core.run_step()  # prefill: "a" now holds pages
+    core.run_step()  # prefill: its prompt's pages go to the cache, locked by "a"
+    core.run_step()  # decode: "a" now holds pages of its own
     core.check_invariants()
     allocator = core.kv.allocator
     held = int(core.kv.private_slots(core.running_batch.reqs[0])[0]) // allocator.page_size

@@ -81,6 +81,40 @@ class ReqKV:
         req.kv_len = req.prefix_len
         req.kv_generation = self.weights.generation
 
+    def share_computed(self, req: Req) -> None:
+        """Hand the KV ``req`` has computed so far (whole pages) to the prefix cache, locked by
+        ``req``, so that requests admitted while it still runs share it (n samples of one
+        prompt, a group of identical prompts, a common system prompt) instead of computing it
+        again; :meth:`release` then finds it cached.
+
+        Precondition: ``req`` is admitted and the first ``req.kv_len`` tokens of prompt +
+        output have KV in its row (its extend step is done). Afterwards ``req.prefix_len`` is
+        that page-aligned length and its row holds the cache's slots there: where another
+        request cached the same tokens first, ``req``'s own copies are freed and its row points
+        at the cached ones. KV begun under older weights is not shared (see the module
+        docstring), and nothing is with a cache that keeps nothing (``keeps_inserted``).
+        """
+        aligned = req.kv_len // self.page_size * self.page_size
+        if (
+            req.req_pool_idx is None  # released meanwhile (aborted while its step ran)
+            or not self.tree_cache.keeps_inserted
+            or req.kv_generation != self.weights.generation
+            or aligned <= req.prefix_len
+        ):
+            return
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        key = cache_key((req.origin_input_ids + req.output_ids)[:aligned], req.lora_uid)
+        num_cached = self.tree_cache.insert(key, row[:aligned])
+        match = self.tree_cache.match_prefix(key)
+        self.tree_cache.lock(match.handle)
+        self.tree_cache.unlock(req.cache_handle)
+        if num_cached > req.prefix_len:  # computed twice: another request cached them first
+            self.allocator.free(row[req.prefix_len : num_cached].clone())
+            self.req_to_token_pool.write(req.req_pool_idx, 0, match.device_indices)
+        req.cache_handle = match.handle
+        req.prefix_indices = match.device_indices
+        req.prefix_len = aligned
+
     def unlock_unadmitted(self, req: Req) -> None:
         """Undo :meth:`match_and_lock` for a request that was not admitted after all."""
         self.tree_cache.unlock(req.cache_handle)

@@ -9,6 +9,9 @@ from sglang.srt.managers.schedule_batch import Req
 
 # Output tokens a running request is assumed to still need at most, when reserving KV for it.
 _MAX_RESERVED_NEW_TOKENS = 4096
+# New tokens a request must compute in a prefill batch before identical waiting requests wait
+# a round for them (SharedPrompts): below that, computing them twice costs less than the wait.
+_SHARED_PROMPT_MIN_TOKENS = 32
 
 
 def sort_waiting_queue(queue: list[Req], policy: str, kv: ReqKV) -> None:
@@ -128,3 +131,36 @@ class PrefillAdder:
         self.rem_input_tokens -= req.extend_len
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= req.extend_len
+
+
+class SharedPrompts:
+    """The prompts (tokens to fill, per adapter) that one prefill batch computes, so that the
+    identical waiting requests behind them (``n`` samples of a prompt, a group of the same
+    prompt from an RL trainer) wait one round and then take them from the prefix cache,
+    where the first one's KV is handed once its step is done (ReqKV.share_computed).
+
+    A request is deferred only when the batch computes at least ``_SHARED_PROMPT_MIN_TOKENS``
+    of its tokens and it could take them from the cache (no prompt logprobs wanted from
+    before them); with a cache that keeps nothing (``--disable-radix-cache``) none is.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._keys: set[tuple[str | None, tuple[int, ...]]] = set()
+
+    @staticmethod
+    def _key(req: Req) -> tuple[str | None, tuple[int, ...]]:
+        return req.lora_name, tuple(req.origin_input_ids + req.output_ids)
+
+    def add(self, req: Req) -> None:
+        """``req`` was admitted (or continues its chunked prefill) in the batch."""
+        if self.enabled and req.extend_len >= _SHARED_PROMPT_MIN_TOKENS:
+            self._keys.add(self._key(req))
+
+    def defers(self, req: Req) -> bool:
+        """Whether ``req`` should wait for the batch's copy of its tokens."""
+        if not self._keys:
+            return False
+        if req.wants_input_logprobs and req.logprob_start_len < _SHARED_PROMPT_MIN_TOKENS:
+            return False
+        return self._key(req) in self._keys

@@ -62,6 +62,7 @@ from sglang.srt.managers.req_kv import ReqKV
 from sglang.srt.managers.schedule_batch import Req, ReqStatus, ScheduleBatch
 from sglang.srt.managers.schedule_policy import (
     PrefillAdder,
+    SharedPrompts,
     reserved_decode_tokens,
     sort_waiting_queue,
 )
@@ -346,14 +347,23 @@ class Scheduler:
             new_token_ratio=self.new_token_ratio,
             page_size=self.server_args.page_size,
         )
+        # Prompts this batch computes: a waiting request with the same tokens waits a round and
+        # then finds them cached (share_computed), instead of computing them a second time.
+        computing = SharedPrompts(self.kv.tree_cache.keeps_inserted)
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
+            computing.add(self.chunked_req)
             num_running += 1
         admitted = 0
         for req in waiting:
-            if num_running + admitted >= self.max_running_requests or not adder.add_one_req(req):
+            if num_running + admitted >= self.max_running_requests:
+                break
+            if computing.defers(req):
+                continue
+            if not adder.add_one_req(req):
                 break
             admitted += 1
+            computing.add(req)
         if not adder.can_run:
             return None
         new_reqs = adder.can_run[len(adder.can_run) - admitted :]
@@ -419,6 +429,9 @@ class Scheduler:
     def process_extend_result(self, batch: ScheduleBatch, result: Any) -> None:
         done = self.output.commit_extend(batch, result)
         self.finish([r for r in done if r.finished])
+        for req in batch.reqs:  # finished ones cached theirs when released
+            if not req.finished:
+                self.kv.share_computed(req)
         self.output.stream_due(done)
         self.start_decoding([r for r in done if not r.finished])
 

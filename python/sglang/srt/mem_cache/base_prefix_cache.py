@@ -40,6 +40,10 @@ class MatchResult(NamedTuple):
 class BasePrefixCache(ABC):
     """A store of computed KV for token prefixes, keyed by token ids, page-aligned."""
 
+    # Whether ``insert`` keeps what it takes (False: it frees it, see NoPrefixCache), so that
+    # a running request's computed prompt can be handed over and shared (ReqKV.share_computed).
+    keeps_inserted: bool = True
+
     @abstractmethod
     def match_prefix(self, key: list[int]) -> MatchResult:
         """Longest cached prefix of ``key`` whose length is a multiple of page_size.

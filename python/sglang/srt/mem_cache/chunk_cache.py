@@ -15,6 +15,8 @@ from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
 class NoPrefixCache(BasePrefixCache):
     """A :class:`BasePrefixCache` that holds nothing; every size is 0."""
 
+    keeps_inserted = False
+
     def __init__(self, allocator: TokenToKVPoolAllocator, page_size: int) -> None:
         if page_size != allocator.page_size:
             raise ValueError(f"page_size {page_size} != allocator.page_size {allocator.page_size}")

@@ -46,8 +46,11 @@ def check_outputs(
         assert len(rec.finished_reasons) == 1 and rec.messages_after_final == 0, rid
 
 
-def test_identical_prompts_in_one_batch_are_computed_once(model_dir: str) -> None:
-    core, worker, sink = make_core(model_dir)
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_identical_prompts_in_one_batch_are_computed_once(model_dir: str, overlap: bool) -> None:
+    """Also under the overlap schedule (CUDA's), where an extend step is committed before the
+    next batch is chosen, so the copies find the prompt cached."""
+    core, worker, sink = make_core(model_dir, overlap=overlap)
     other = list(range(300, 340))
     for i in range(4):
         submit(core, f"copy{i}", PROMPT, MAX_NEW)

@@ -3,7 +3,9 @@ and the allocator.
 
 A request holds, while admitted:
   * one row of the ReqToTokenPool (``req.req_pool_idx``),
-  * a locked prefix-cache match (``req.cache_handle``; slots ``[0, req.prefix_len)``),
+  * a locked prefix-cache match (``req.cache_handle``; slots ``[0, req.prefix_len)``): what
+    it matched when admitted, and from the end of each of its extend steps what it computed
+    itself (:meth:`ReqKV.share_computed` hands it to the cache, for others to share),
   * private slots ``[req.prefix_len, req.kv_len)`` it allocated itself (plus the slots of the
     tokens being computed in the current step),
   * on CPU with ``page_size`` 1, a run of slots reserved for its next decode tokens

@@ -14,8 +14,9 @@ Typical scheduler use::
 
     m = cache.match_prefix(ids[:-1]); cache.lock(m.handle)       # admit
     slots = allocator.alloc_extend(...)  (after cache.evict(...) when short)
-    n = cache.insert(ids[:aligned], kv[:aligned])                # extend done: share it
-    m2 = cache.match_prefix(ids[:aligned]); cache.lock(m2.handle); cache.unlock(m.handle)
+    n = cache.insert(ids[:p], kv[:p])              # extend done (p: its pages): share them
+    allocator.free(kv[prefix_len:n]); m = cache.match_prefix(ids[:p])  # (kv[:p] = m's slots)
+    cache.lock(m.handle); cache.unlock(old_handle); prefix_len = p
     n = cache.insert(ids[:aligned], kv[:aligned])                # finish / retract
     allocator.free(kv[prefix_len:n]); allocator.free(kv[aligned:]); cache.unlock(m.handle)
 """

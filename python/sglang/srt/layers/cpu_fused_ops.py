@@ -84,7 +84,8 @@ inline void store_rounded(sglang_cpu::f32x16 v, bf16* p) {
   std::memcpy(p, &h, sizeof h);
 }
 
-// from_f32<T> on 16 lanes, back as float32: what store_rounded stores, read back.
+// from_f32<T> on 16 lanes, back as float32: what store_rounded stores, read back. Its own
+// branches rather than store_rounded's bits widened: that was 0.92x on SiLU-and-mul.
 inline sglang_cpu::f32x16 rounded16(sglang_cpu::f32x16 v, const float*) { return v; }
 inline sglang_cpu::f32x16 rounded16(sglang_cpu::f32x16 v, const bf16*) {
   using namespace sglang_cpu;

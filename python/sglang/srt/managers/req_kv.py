@@ -105,17 +105,25 @@ class ReqKV:
         ):
             return
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        key = cache_key((req.origin_input_ids + req.output_ids)[:aligned], req.lora_uid)
-        num_cached = self.tree_cache.insert(key, row[:aligned])
+        key, num_cached = self._insert(req, row, aligned)
         match = self.tree_cache.match_prefix(key)
         self.tree_cache.lock(match.handle)
         self.tree_cache.unlock(req.cache_handle)
-        if num_cached > req.prefix_len:  # computed twice: another request cached them first
-            self.allocator.free(row[req.prefix_len : num_cached].clone())
+        if num_cached > req.prefix_len:  # its own copies were freed: point at the cached ones
             self.req_to_token_pool.write(req.req_pool_idx, 0, match.device_indices)
         req.cache_handle = match.handle
         req.prefix_indices = match.device_indices
         req.prefix_len = aligned
+
+    def _insert(self, req: Req, kv: torch.Tensor, aligned: int) -> tuple[list[int], int]:
+        """Insert the first ``aligned`` tokens of ``req`` (their slots ``kv[:aligned]``) into
+        the cache; returns their key and how many of them it held already, whose slots of
+        ``req``'s own (past its ``prefix_len``) are freed here."""
+        key = cache_key((req.origin_input_ids + req.output_ids)[:aligned], req.lora_uid)
+        num_cached = self.tree_cache.insert(key, kv[:aligned])
+        if num_cached > req.prefix_len:  # computed twice: another request cached them first
+            self.allocator.free(kv[req.prefix_len : num_cached])
+        return key, num_cached
 
     def unlock_unadmitted(self, req: Req) -> None:
         """Undo :meth:`match_and_lock` for a request that was not admitted after all."""
@@ -222,10 +230,7 @@ class ReqKV:
             self.allocator.free(kv[req.prefix_len :])
         else:
             aligned = req.kv_len // self.page_size * self.page_size
-            token_ids = cache_key((req.origin_input_ids + req.output_ids)[:aligned], req.lora_uid)
-            num_cached = self.tree_cache.insert(token_ids, kv[:aligned])
-            if num_cached > req.prefix_len:  # computed twice: another request cached them first
-                self.allocator.free(kv[req.prefix_len : num_cached])
+            self._insert(req, kv, aligned)
             if aligned < req.kv_len:
                 self.allocator.free(kv[aligned:])
         if req.decode_slots:

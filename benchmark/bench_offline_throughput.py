@@ -91,12 +91,14 @@ PREFILL_GRAPH_COMPARE: dict[str, dict[str, Any]] = {
 
 def make_workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[int], int]]:
     """``(prompt ids, output length)`` per request: ``--num-prompts`` random prompts, each
-    sent ``--group-size`` times in a row with its own output length (one draw per request)."""
+    sent ``--group-size`` times in a row with its own output length (one draw per request),
+    all starting with the same ``--shared-prefix`` random tokens (a system prompt)."""
     rng = random.Random(args.seed)
     low = min(1000, vocab_size // 4)  # skip the special tokens at the start of the vocabulary
+    shared = [rng.randrange(low, vocab_size) for _ in range(getattr(args, "shared_prefix", 0))]
     work = []
     for _ in range(args.num_prompts):
-        prompt = [
+        prompt = shared + [
             rng.randrange(low, vocab_size)
             for _ in range(rng.randint(args.min_input, args.max_input))
         ]
@@ -343,7 +345,7 @@ def run_vllm(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> tup
                     "top_p": args.top_p,
                     "top_k": args.top_k,
                     "return_logprob": args.return_logprob,
-                    "prefix_caching": args.group_size > 1,
+                    "prefix_caching": args.group_size > 1 or args.shared_prefix > 0,
                     "work": work,
                 },
                 f,
@@ -395,6 +397,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer of at least 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def add_workload_shape_args(parser: argparse.ArgumentParser) -> None:
     """The flags that shape the workload (:func:`make_workload`) but its seed; shared with
     bench_step_breakdown.py."""
@@ -415,10 +425,19 @@ def add_workload_shape_args(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     parser.add_argument(
+        "--shared-prefix",
+        type=non_negative_int,
+        default=0,
+        help="random tokens every prompt starts with, as a system prompt, before its own "
+        "--min-input..--max-input tokens; above 0 vLLM runs with its prefix caching on "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--min-input",
         type=int,
         default=20,
-        help="shortest prompt, tokens (lengths drawn uniformly) (default: %(default)s)",
+        help="shortest prompt, tokens, not counting --shared-prefix (lengths drawn uniformly) "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--max-input", type=int, default=400, help="longest prompt, tokens (default: %(default)s)"

@@ -112,6 +112,7 @@ def main() -> None:
         min_output=args.min_output,
         max_output=args.max_output,
         group_size=args.group_size,
+        shared_prefix=args.shared_prefix,
     )
     server_args = ServerArgs(
         model_path=args.model_path,

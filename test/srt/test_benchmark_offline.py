@@ -120,3 +120,23 @@ def test_group_size_repeats_each_prompt(bench: Any) -> None:
     with pytest.raises(SystemExit) as exc:
         parser.parse_args(["--group-size", "0"])
     assert exc.value.code == 2
+
+
+def test_shared_prefix_starts_every_prompt(bench: Any) -> None:
+    """--shared-prefix N puts the same N tokens before every prompt's own drawn tokens; at 0
+    the workload is the one drawn before the flag existed, and a negative N is a usage error."""
+    shape = {"seed": 3, "num_prompts": 5, "min_input": 4, "max_input": 9,
+             "min_output": 2, "max_output": 50}
+    single = bench.make_workload(argparse.Namespace(**shape), 1000)
+    assert single == bench.make_workload(argparse.Namespace(**shape, shared_prefix=0), 1000)
+    shared = bench.make_workload(argparse.Namespace(**shape, shared_prefix=12), 1000)
+    heads = {tuple(ids[:12]) for ids, _ in shared}
+    assert len(shared) == 5 and len(heads) == 1
+    assert all(4 <= len(ids) - 12 <= 9 for ids, _ in shared)
+    assert len({tuple(ids[12:]) for ids, _ in shared}) == 5
+    parser = argparse.ArgumentParser()
+    bench.add_workload_args(parser)
+    assert parser.parse_args(["--shared-prefix", "0"]).shared_prefix == 0
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--shared-prefix", "-1"])
+    assert exc.value.code == 2

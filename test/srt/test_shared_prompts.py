@@ -1,9 +1,9 @@
 """A prompt computed once is shared: a running request's prompt KV goes to the prefix cache as
-soon as its prefill is done (ReqKV.share_computed), and waiting requests with the same tokens as
-one a prefill batch computes wait a round for it (schedule_policy.SharedPrompts), as ``n``
-samples of a prompt and RL groups of one prompt arrive. Driven through the Scheduler core with
-the scripted worker: every request still ends once with the tokens an uninterrupted run
-produces, and the invariants hold after every step."""
+soon as its prefill is done (ReqKV.share_computed), and waiting requests that begin with the
+tokens a prefill batch computes wait a round for them (schedule_policy.SharedPrompts), as ``n``
+samples of a prompt, RL groups of one prompt and questions behind one system prompt arrive.
+Driven through the Scheduler core with the scripted worker: every request still ends once with
+the tokens an uninterrupted run produces, and the invariants hold after every step."""
 
 from __future__ import annotations
 
@@ -173,4 +173,74 @@ def test_a_prompt_chunked_across_a_weight_update_is_not_shared(model_dir: str) -
     assert sink.by_rid["after"].cached_tokens == 0
     assert worker.extended_tokens == 2 * len(PROMPT)
     check_outputs(core, sink, {"mixed": PROMPT, "after": PROMPT})
+    assert_no_leak(core)
+
+
+SYSTEM = list(range(200, 240))  # 40 tokens: a system prompt the questions below begin with
+
+
+def question(i: int, length: int = 5) -> list[int]:
+    return [300 + 10 * i + j for j in range(length)]
+
+
+def test_a_common_system_prompt_is_computed_once(model_dir: str) -> None:
+    """Requests that only begin alike (one system prompt, different questions) wait a round for
+    the first one's KV of the common part, then compute only their own questions; a request
+    sharing fewer than 32 tokens with it does not wait."""
+    core, worker, sink = make_core(model_dir)
+    prompts = {f"q{i}": SYSTEM + question(i) for i in range(3)}
+    prompts["brief"] = SYSTEM[:20] + question(5, 30)  # 20 tokens in common: computed now
+    for rid, prompt in prompts.items():
+        submit(core, rid, prompt, MAX_NEW)
+    core.run_step()
+    core.check_invariants()
+    assert worker.extended_tokens == len(prompts["q0"]) + len(prompts["brief"])
+    assert sorted(r.rid for r in core.waiting_queue) == ["q1", "q2"]
+    run_until_idle(core)
+    assert worker.extended_tokens == sum(map(len, prompts.values())) - 2 * len(SYSTEM)
+    check_outputs(core, sink, prompts)
+    assert [sink.by_rid[rid].cached_tokens for rid in prompts] == [0, 40, 40, 0]
+    assert_no_leak(core)
+
+
+def test_only_tokens_the_batch_computes_make_requests_wait(model_dir: str) -> None:
+    """With the system prompt already cached, two questions behind it wait for each other only
+    when they have 32 more tokens in common, the ones the first one computes."""
+    core, worker, sink = make_core(model_dir)
+    submit(core, "warm", SYSTEM + [7], 2)
+    run_until_idle(core)
+    common = question(0, 35)
+    prompts = {
+        "a": SYSTEM + common + [1, 2],
+        "b": SYSTEM + common + [3, 4],  # 35 uncached tokens in common with "a": waits
+        "c": SYSTEM + common[:20] + question(6, 15),  # 20 uncached in common: computed now
+    }
+    for rid, prompt in prompts.items():
+        submit(core, rid, prompt, MAX_NEW)
+    computed = worker.extended_tokens
+    core.run_step()
+    core.check_invariants()
+    assert [r.rid for r in core.waiting_queue] == ["b"]
+    assert worker.extended_tokens - computed == 37 + 35
+    run_until_idle(core)
+    assert worker.extended_tokens - computed == 37 + 35 + 2
+    check_outputs(core, sink, prompts)
+    assert [sink.by_rid[rid].cached_tokens for rid in prompts] == [40, 75, 40]
+    assert_no_leak(core)
+
+
+@pytest.mark.parametrize(("page_size", "waits"), [(16, True), (64, False)])
+def test_shared_tokens_count_in_whole_pages(model_dir: str, page_size: int, waits: bool) -> None:
+    """Only whole pages are cached: 40 common tokens are 2 pages of 16 (32 tokens, enough to
+    wait for) but no page of 64."""
+    core, worker, sink = make_core(model_dir, page_size=page_size)
+    prompts = {f"q{i}": SYSTEM + question(i) for i in range(2)}
+    for rid, prompt in prompts.items():
+        submit(core, rid, prompt, MAX_NEW)
+    core.run_step()
+    assert [r.rid for r in core.waiting_queue] == (["q1"] if waits else [])
+    run_until_idle(core)
+    check_outputs(core, sink, prompts)
+    assert sink.by_rid["q1"].cached_tokens == (32 if waits else 0)
+    assert worker.extended_tokens == 2 * 45 - sink.by_rid["q1"].cached_tokens
     assert_no_leak(core)

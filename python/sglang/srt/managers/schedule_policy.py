@@ -134,33 +134,46 @@ class PrefillAdder:
 
 
 class SharedPrompts:
-    """The prompts (tokens to fill, per adapter) that one prefill batch computes, so that the
-    identical waiting requests behind them (``n`` samples of a prompt, a group of the same
-    prompt from an RL trainer) wait one round and then take them from the prefix cache,
-    where the first one's KV is handed once its step is done (ReqKV.share_computed).
+    """The prompt prefixes one prefill batch computes (per adapter), so that waiting requests
+    that begin with one of them (``n`` samples of a prompt, a group of the same prompt from an
+    RL trainer, questions behind one system prompt) wait one round and then take those tokens
+    from the prefix cache, where the computing request's KV is handed once its step is done
+    (ReqKV.share_computed), instead of computing them a second time in the same batch.
 
     A request is deferred only when the batch computes at least ``_SHARED_PROMPT_MIN_TOKENS``
-    of its tokens and it could take them from the cache (no prompt logprobs wanted from
-    before them); with a cache that keeps nothing (``--disable-radix-cache``) none is.
+    (rounded up to whole pages, as only whole pages are cached) of the tokens it begins with,
+    and it could take them from the cache (no prompt logprobs wanted from before them); with a
+    cache that keeps nothing (``--disable-radix-cache``) none is.
     """
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, page_size: int) -> None:
         self.enabled = enabled
-        self._keys: set[tuple[str | None, tuple[int, ...]]] = set()
-
-    @staticmethod
-    def _key(req: Req) -> tuple[str | None, tuple[int, ...]]:
-        return req.lora_name, tuple(req.origin_input_ids + req.output_ids)
+        self._min_shared = -(-_SHARED_PROMPT_MIN_TOKENS // page_size) * page_size
+        # (adapter, start, the first start + _min_shared tokens) of each computing request that
+        # computes tokens [start, ...) with at least _min_shared of them; the distinct starts.
+        self._heads: set[tuple[str | None, int, tuple[int, ...]]] = set()
+        self._starts: set[int] = set()
 
     def add(self, req: Req) -> None:
-        """``req`` was admitted (or continues its chunked prefill) in the batch."""
-        if self.enabled and req.extend_len >= _SHARED_PROMPT_MIN_TOKENS:
-            self._keys.add(self._key(req))
+        """``req`` was admitted (or continues its chunked prefill) in the batch: it computes
+        ``req.extend_len`` tokens of ``req.fill_ids`` from ``req.kv_len`` on."""
+        # A request wanting prompt logprobs may recompute cached tokens: nothing new to share.
+        if not self.enabled or req.extend_len < self._min_shared or req.wants_input_logprobs:
+            return
+        end = req.kv_len + self._min_shared
+        self._starts.add(req.kv_len)
+        self._heads.add((req.lora_name, req.kv_len, tuple(req.fill_ids[:end])))
 
     def defers(self, req: Req) -> bool:
-        """Whether ``req`` should wait for the batch's copy of its tokens."""
-        if not self._keys:
+        """Whether ``req`` should wait for the batch's copy of the tokens it begins with."""
+        if not self._heads:
             return False
-        if req.wants_input_logprobs and req.logprob_start_len < _SHARED_PROMPT_MIN_TOKENS:
-            return False
-        return self._key(req) in self._keys
+        ids = req.origin_input_ids + req.output_ids
+        usable = len(ids) - 1  # as Req.max_prefix_len: the last token is always computed
+        if req.wants_input_logprobs:
+            usable = min(usable, req.logprob_start_len)
+        for start in self._starts:
+            end = start + self._min_shared
+            if end <= usable and (req.lora_name, start, tuple(ids[:end])) in self._heads:
+                return True
+        return False

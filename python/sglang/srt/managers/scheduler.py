@@ -347,9 +347,10 @@ class Scheduler:
             new_token_ratio=self.new_token_ratio,
             page_size=self.server_args.page_size,
         )
-        # Prompts this batch computes: a waiting request with the same tokens waits a round and
-        # then finds them cached (share_computed), instead of computing them a second time.
-        computing = SharedPrompts(self.kv.tree_cache.keeps_inserted)
+        # Prompts this batch computes: a waiting request that begins with enough of the same
+        # tokens waits a round and then finds them cached (share_computed) instead of
+        # computing them a second time.
+        computing = SharedPrompts(self.kv.tree_cache.keeps_inserted, self.server_args.page_size)
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
             computing.add(self.chunked_req)

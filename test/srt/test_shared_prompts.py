@@ -244,3 +244,22 @@ def test_shared_tokens_count_in_whole_pages(model_dir: str, page_size: int, wait
     assert sink.by_rid["q1"].cached_tokens == (32 if waits else 0)
     assert worker.extended_tokens == 2 * 45 - sink.by_rid["q1"].cached_tokens
     assert_no_leak(core)
+
+
+def test_the_same_tokens_behind_different_cached_prompts_are_not_shared(model_dir: str) -> None:
+    """The same question at the same position behind two different cached system prompts: the
+    second request has nothing to take from the first one's KV, so it does not wait."""
+    core, worker, sink = make_core(model_dir)
+    other_system = list(range(400, 440))
+    submit(core, "warm1", SYSTEM + [7], 2)
+    submit(core, "warm2", other_system + [7], 2)
+    run_until_idle(core)
+    prompts = {"x": SYSTEM + question(0, 35), "y": other_system + question(0, 35)}
+    for rid, prompt in prompts.items():
+        submit(core, rid, prompt, MAX_NEW)
+    core.run_step()
+    assert not core.waiting_queue
+    run_until_idle(core)
+    check_outputs(core, sink, prompts)
+    assert [sink.by_rid[rid].cached_tokens for rid in prompts] == [40, 40]
+    assert_no_leak(core)

@@ -149,9 +149,10 @@ class SharedPrompts:
     def __init__(self, enabled: bool, page_size: int) -> None:
         self.enabled = enabled
         self._min_shared = -(-_SHARED_PROMPT_MIN_TOKENS // page_size) * page_size
-        # (adapter, start, the first start + _min_shared tokens) of each computing request that
-        # computes tokens [start, ...) with at least _min_shared of them; the distinct starts.
-        self._heads: set[tuple[str | None, int, tuple[int, ...]]] = set()
+        # For each computing request with at least _min_shared new tokens, keyed by (adapter,
+        # start, its first _min_shared new tokens): its tokens. A window is checked first, the
+        # tokens before it only on a hit, so a waiting request costs one short tuple per start.
+        self._windows: dict[tuple[str | None, int, tuple[int, ...]], list[list[int]]] = {}
         self._starts: set[int] = set()
 
     def add(self, req: Req) -> None:
@@ -160,20 +161,24 @@ class SharedPrompts:
         # A request wanting prompt logprobs may recompute cached tokens: nothing new to share.
         if not self.enabled or req.extend_len < self._min_shared or req.wants_input_logprobs:
             return
-        end = req.kv_len + self._min_shared
-        self._starts.add(req.kv_len)
-        self._heads.add((req.lora_name, req.kv_len, tuple(req.fill_ids[:end])))
+        start = req.kv_len
+        window = tuple(req.fill_ids[start : start + self._min_shared])
+        self._starts.add(start)
+        self._windows.setdefault((req.lora_name, start, window), []).append(req.fill_ids)
 
     def defers(self, req: Req) -> bool:
         """Whether ``req`` should wait for the batch's copy of the tokens it begins with."""
-        if not self._heads:
+        if not self._windows:
             return False
-        ids = req.origin_input_ids + req.output_ids
+        ids = req.origin_input_ids + req.output_ids if req.output_ids else req.origin_input_ids
         usable = len(ids) - 1  # as Req.max_prefix_len: the last token is always computed
         if req.wants_input_logprobs:
             usable = min(usable, req.logprob_start_len)
         for start in self._starts:
             end = start + self._min_shared
-            if end <= usable and (req.lora_name, start, tuple(ids[:end])) in self._heads:
+            if end > usable:
+                continue
+            computing = self._windows.get((req.lora_name, start, tuple(ids[start:end])))
+            if computing and any(other[:start] == ids[:start] for other in computing):
                 return True
         return False

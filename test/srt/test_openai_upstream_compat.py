@@ -206,6 +206,24 @@ def test_continuous_usage_stats(http: httpx.Client, path: str, body: dict[str, A
     assert all(e["usage"] is None for e in plain)
 
 
+@pytest.mark.parametrize("enabled", [False, True])
+def test_cache_report_in_usage(enabled: bool) -> None:
+    """--enable-cache-report: usage.prompt_tokens_details.cached_tokens sums the first choice
+    of each prompt, as prompt_tokens does; absent without the flag or when nothing was cached."""
+    tm = _RecordingTM()
+    tm.server_args = ServerArgs(model_path="m", device="cpu", enable_cache_report=enabled)
+    chat = OpenAIServingChat(tm, None, None)
+
+    def out(prompt: int, cached: int) -> dict[str, Any]:
+        return {"meta_info": {"prompt_tokens": prompt, "completion_tokens": 2,
+                              "cached_tokens": cached}}
+
+    usage = chat.usage([out(10, 4), out(10, 9), out(7, 6), out(7, 6)], n=2)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (17, 8, 25)
+    assert usage.prompt_tokens_details == ({"cached_tokens": 10} if enabled else None)
+    assert chat.usage([out(10, 0), out(10, 9)], n=2).prompt_tokens_details is None
+
+
 # ---- 6. upstream extras ------------------------------------------------------------------------
 REFUSED = [("return_hidden_states", True), ("return_routed_experts", True),
            ("return_cached_tokens_details", True), ("custom_logit_processor", "{}"),

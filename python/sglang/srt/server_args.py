@@ -364,6 +364,12 @@ class ServerArgs(UpstreamOnlyArgs):
         "qwen25 (Qwen2.5/Qwen3 <tool_call> JSON) or llama3 (Llama-3 JSON calls).",
         choices=_TOOL_CALL_PARSERS,
     )
+    enable_cache_report: bool = _arg(
+        False,
+        "Report the prompt tokens served from the prefix cache in the OpenAI endpoints' usage: "
+        "usage.prompt_tokens_details.cached_tokens (counted once per prompt, as prompt_tokens; "
+        "left out when none was cached). /generate reports meta_info cached_tokens either way.",
+    )
 
     # Logging and metrics
     log_level: str = _arg("info", "Logging level.", choices=_LOG_LEVELS)

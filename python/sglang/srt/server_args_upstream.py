@@ -136,7 +136,6 @@ class UpstreamOnlyArgs:
     hf_chat_template_name: str | None = None
     completion_template: str | None = None
     file_storage_path: str = "sglang_storage"
-    enable_cache_report: bool = False
     tool_server: str | None = None
     attn_cp_size: int = 1
     moe_dp_size: int = 1

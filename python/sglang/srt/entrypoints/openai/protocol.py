@@ -48,6 +48,8 @@ class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # {"cached_tokens": N} with --enable-cache-report when N > 0, else None.
+    prompt_tokens_details: dict[str, int] | None = None
 
 
 class ErrorInfo(BaseModel):

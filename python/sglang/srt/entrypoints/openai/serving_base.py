@@ -171,6 +171,8 @@ class OpenAIServingBase:
     def __init__(self, tokenizer_manager: TokenizerManagerProtocol, metrics: Any) -> None:
         self.tm = tokenizer_manager
         self.metrics = metrics
+        server_args = getattr(tokenizer_manager, "server_args", None)
+        self.enable_cache_report = bool(getattr(server_args, "enable_cache_report", False))
 
     @property
     def model_name(self) -> str:
@@ -257,13 +259,16 @@ class OpenAIServingBase:
             return f"token_id:{token_id}"
         return self.tm.tokenizer.decode([token_id])
 
-    @staticmethod
-    def usage(outputs: list[dict[str, Any]], n: int) -> UsageInfo:
-        """Usage of a batch: each prompt counted once (not once per choice)."""
-        prompt = sum(o["meta_info"]["prompt_tokens"] for i, o in enumerate(outputs) if i % n == 0)
+    def usage(self, outputs: list[dict[str, Any]], n: int) -> UsageInfo:
+        """Usage of a batch: each prompt counted once (not once per choice), its cached tokens
+        too (the first choice's) with --enable-cache-report."""
+        firsts = [o["meta_info"] for i, o in enumerate(outputs) if i % n == 0]
+        prompt = sum(m["prompt_tokens"] for m in firsts)
         completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
+        cached = sum(m.get("cached_tokens", 0) for m in firsts) if self.enable_cache_report else 0
         return UsageInfo(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+            prompt_tokens_details={"cached_tokens": cached} if cached else None,
         )
 
     @staticmethod

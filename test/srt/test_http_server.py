@@ -33,7 +33,7 @@ def model_dir(tiny_model_dir: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[ServerProcess]:
     with ServerProcess(model_dir, "--max-total-tokens", "8192", "--enable-metrics",
-                       "--served-model-name", "tiny") as s:
+                       "--served-model-name", "tiny", "--gc-threshold", "5000", "20") as s:
         yield s
 
 
@@ -345,6 +345,13 @@ def test_openai_chat(client: openai.OpenAI) -> None:
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+
+
+def test_gc_threshold_is_set_in_the_servers_processes(server: ServerProcess) -> None:
+    """--gc-threshold 5000 20: generations 0 and 1 set, generation 2 keeps Python's 10."""
+    log = server.log_path.read_text(errors="replace")
+    for process in ("Scheduler", "Detokenizer", "HTTP server"):
+        assert f"{process}: garbage-collection thresholds (5000, 20, 10)" in log, process
 
 
 # ---- auth ----------------------------------------------------------------------------------------

@@ -157,6 +157,9 @@ def test_server_args_doc_is_up_to_date() -> None:
         {"disable_cpu_weight_prepack": "no"},
         {"disable_radix_cache": 1},
         {"enable_metrics": None},
+        {"gc_threshold": []},
+        {"gc_threshold": [700, 10, 10, 10]},
+        {"gc_threshold": [-1]},
     ],
 )
 def test_keyword_flags_and_choices_are_checked(kwargs: dict) -> None:

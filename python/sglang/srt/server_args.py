@@ -375,6 +375,13 @@ class ServerArgs(UpstreamOnlyArgs):
     log_level: str = _arg("info", "Logging level.", choices=_LOG_LEVELS)
     log_requests: bool = _arg(False, "Log every request and its output.")
     enable_metrics: bool = _arg(False, "Expose Prometheus metrics at /metrics.")
+    gc_threshold: list[int] | None = _arg(
+        None,
+        "Python's garbage-collection thresholds (gc.set_threshold: 1 to 3 values, generation "
+        "0 first) in the server's own processes: the schedulers, the detokenizer and, with "
+        "launch_server, the HTTP server; an Engine's caller process is left alone. Larger "
+        "values collect less often. Default: Python's.",
+    )
 
     # Request limits and HTTP security defaults (docs/security.md)
     max_request_batch_size: int = _arg(
@@ -549,6 +556,12 @@ class ServerArgs(UpstreamOnlyArgs):
             raise ValueError("--mem-fraction-static must be in (0, 1)")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError("--context-length must be >= 1")
+        if self.gc_threshold is not None and not (
+            1 <= len(self.gc_threshold) <= 3 and all(v >= 0 for v in self.gc_threshold)
+        ):
+            raise ValueError(
+                f"--gc-threshold takes 1 to 3 values of at least 0, got {self.gc_threshold}"
+            )
         parsers: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
             ("--reasoning-parser", self.reasoning_parser, _REASONING_PARSERS),
             ("--tool-call-parser", self.tool_call_parser, _TOOL_CALL_PARSERS),

@@ -290,7 +290,6 @@ class UpstreamOnlyArgs:
     numa_node: list[int] | None = None
     rl_on_policy_target: str | None = None
     enable_attn_tp_input_scattered: bool = False
-    gc_threshold: list[int] | None = None
     enable_nsa_prefill_context_parallel: bool = False
     nsa_prefill_cp_mode: str = "round-robin-split"
     enable_fused_qk_norm_rope: bool = False

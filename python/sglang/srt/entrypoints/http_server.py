@@ -70,7 +70,7 @@ from sglang.srt.managers.tokenizer_manager_protocol import (
 from sglang.srt.metrics import NoMetrics, ServerMetrics
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils import configure_logger
-from sglang.srt.utils.gc_freeze import freeze_startup_heap
+from sglang.srt.utils.gc_freeze import freeze_startup_heap, set_gc_threshold
 
 logger = logging.getLogger(__name__)
 
@@ -462,6 +462,7 @@ async def _announce_when_ready(app: FastAPI) -> None:
             server.should_exit = True
             return
     freeze_startup_heap("HTTP server")
+    set_gc_threshold(state.server_args.gc_threshold, "HTTP server")
     state.ready = True
     logger.info("The server is ready at %s", state.server_args.url())
 

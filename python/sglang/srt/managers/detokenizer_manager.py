@@ -45,6 +45,7 @@ from sglang.srt.utils import (
     get_zmq_socket,
     loads,
 )
+from sglang.srt.utils.gc_freeze import set_gc_threshold
 
 logger = logging.getLogger(__name__)
 
@@ -386,6 +387,7 @@ def run_detokenizer_process(
         logger.exception("Detokenizer failed to start")
         pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
         return
+    set_gc_threshold(server_args.gc_threshold, "Detokenizer")
     pipe_writer.send({"status": "ready"})
     pipe_writer.close()
     try:

@@ -50,7 +50,7 @@ from sglang.srt.managers.weight_state import WeightState
 from sglang.srt.mem_cache import create_prefix_cache
 from sglang.srt.server_args import PortArgs, ServerArgs, rank_label
 from sglang.srt.utils import configure_logger, dumps, get_zmq_socket, loads
-from sglang.srt.utils.gc_freeze import freeze_startup_heap
+from sglang.srt.utils.gc_freeze import freeze_startup_heap, set_gc_threshold
 
 logger = logging.getLogger(__name__)
 
@@ -280,6 +280,7 @@ def run_scheduler_process(
         pipe_writer.send({"status": "error", "message": message})
         return  # exiting closes this rank's connections: its peers' collectives fail at once
     freeze_startup_heap(f"Scheduler {label}".rstrip())
+    set_gc_threshold(server_args.gc_threshold, f"Scheduler {label}".rstrip())
     pipe_writer.send(process.ready_info())
     try:
         process.event_loop()

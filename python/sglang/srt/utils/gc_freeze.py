@@ -1,4 +1,5 @@
-"""Keeping the objects a process makes at start-up out of later garbage collections."""
+"""Keeping the objects a process makes at start-up out of later garbage collections, and the
+collector's thresholds of the server's processes (--gc-threshold)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,10 @@ def freeze_startup_heap(process: str) -> None:
         gc.get_freeze_count(),
         time.perf_counter() - start,
     )
+
+
+def set_gc_threshold(thresholds: list[int] | None, process: str) -> None:
+    """``gc.set_threshold(*thresholds)`` in ``process`` (--gc-threshold); None: Python's."""
+    if thresholds:
+        gc.set_threshold(*thresholds)
+        logger.info("%s: garbage-collection thresholds %s", process, gc.get_threshold())

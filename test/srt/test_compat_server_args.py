@@ -55,6 +55,21 @@ def test_verl_kwargs_build_server_args_directly(caplog: pytest.LogCaptureFixture
         assert silent not in warnings[0]
 
 
+def test_loop_placement_and_tracing_knobs_are_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Upstream knobs that change when or where work runs, not what it returns, start the
+    engine with one warning naming them."""
+    knobs = {"scheduler_recv_interval": 4, "numa_node": [0], "enable_trace": True,
+             "enable_tokenizer_batch_encode": True, "weight_loader_disable_mmap": True}
+    with caplog.at_level(logging.WARNING):
+        args = ServerArgs(model_path="m", device="cpu", **knobs)
+    assert args.scheduler_recv_interval == 4 and args.numa_node == [0]
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1, warnings
+    assert all(name in warnings[0] for name in knobs)
+
+
 def test_defaults_of_upstream_fields_are_silent(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
         args = ServerArgs(model_path="m", device="cpu", kv_cache_dtype="auto", pp_size=1,

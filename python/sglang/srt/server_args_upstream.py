@@ -371,8 +371,11 @@ UPSTREAM_ONLY_FIELDS: frozenset[str] = frozenset(
 # Upstream fields accepted (with a warning) at any value: none of them changes the tokens,
 # logprobs or states that this build returns; they tune hardware paths this build does not
 # have (piecewise CUDA graphs, torch.compile's debug mode, custom all-reduce, NCCL, multimodal
-# encoders, CPU offload and CPU weight backups, draft-model weights, the LoRA kernels), logging
-# and metrics, or multi-node placement that a single-node run does not use.
+# encoders, CPU offload and CPU weight backups, draft-model weights, the LoRA kernels), logging,
+# tracing and metrics, how often or in what batches the frontend's and the scheduler's loops
+# take their input (tokenizer batching, the scheduler's receive interval), CPU placement, the
+# collector during CUDA-graph capture, or multi-node placement that a single-node run does not
+# use.
 NOT_APPLICABLE: frozenset[str] = frozenset({
     "base_gpu_id", "gpu_id_step", "nccl_port",
     "enable_memory_saver", "enable_weights_cpu_backup", "enable_draft_weights_cpu_backup",
@@ -396,6 +399,12 @@ NOT_APPLICABLE: frozenset[str] = frozenset({
     "extra_metric_labels", "bucket_time_to_first_token", "bucket_inter_token_latency",
     "bucket_e2e_request_latency", "collect_tokens_histogram", "prompt_tokens_buckets",
     "generation_tokens_buckets",
+    "scheduler_recv_interval", "numa_node", "enable_cudagraph_gc", "weight_loader_disable_mmap",
+    "enable_tokenizer_batch_encode", "disable_tokenizer_batch_decode",
+    "enable_dynamic_batch_tokenizer", "dynamic_batch_tokenizer_batch_size",
+    "dynamic_batch_tokenizer_batch_timeout", "gc_warning_threshold_secs",
+    "enable_layerwise_nvtx_marker", "enable_request_time_stats_logging", "enable_trace",
+    "otlp_traces_endpoint",
 })
 
 # Upstream's backend names for fields this build has with fewer choices: accepted (the command

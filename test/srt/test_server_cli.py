@@ -160,6 +160,7 @@ def test_server_args_doc_is_up_to_date() -> None:
         {"gc_threshold": []},
         {"gc_threshold": [700, 10, 10, 10]},
         {"gc_threshold": [-1]},
+        {"gc_threshold": ["700"]},
     ],
 )
 def test_keyword_flags_and_choices_are_checked(kwargs: dict) -> None:

@@ -557,7 +557,8 @@ class ServerArgs(UpstreamOnlyArgs):
         if self.context_length is not None and self.context_length < 1:
             raise ValueError("--context-length must be >= 1")
         if self.gc_threshold is not None and not (
-            1 <= len(self.gc_threshold) <= 3 and all(v >= 0 for v in self.gc_threshold)
+            1 <= len(self.gc_threshold) <= 3
+            and all(type(v) is int and v >= 0 for v in self.gc_threshold)
         ):
             raise ValueError(
                 f"--gc-threshold takes 1 to 3 values of at least 0, got {self.gc_threshold}"

@@ -206,6 +206,21 @@ def test_continuous_usage_stats(http: httpx.Client, path: str, body: dict[str, A
     assert all(e["usage"] is None for e in plain)
 
 
+@pytest.mark.parametrize("path, body", [("/v1/completions", COMPLETION),
+                                        ("/v1/chat/completions", CHAT)])
+def test_stream_response_default_include_usage(path: str, body: dict[str, Any]) -> None:
+    """--stream-response-default-include-usage: every stream ends with the usage chunk, asked
+    for or not."""
+    tm = _RecordingTM()
+    tm.server_args = ServerArgs(  # type: ignore[attr-defined]
+        model_path="m", device="cpu", stream_response_default_include_usage=True)
+    with _serve(tm) as http:
+        for extra in ({}, {"stream_options": {"include_usage": False}}):
+            events = _events(http.post(path, json={**body, "stream": True, **extra}))
+            assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
+            assert all(e["usage"] is None for e in events[:-1])
+
+
 @pytest.mark.parametrize("enabled", [False, True])
 def test_cache_report_in_usage(enabled: bool) -> None:
     """--enable-cache-report: usage.prompt_tokens_details.cached_tokens sums the first choice

@@ -364,6 +364,11 @@ class ServerArgs(UpstreamOnlyArgs):
         "qwen25 (Qwen2.5/Qwen3 <tool_call> JSON) or llama3 (Llama-3 JSON calls).",
         choices=_TOOL_CALL_PARSERS,
     )
+    stream_response_default_include_usage: bool = _arg(
+        False,
+        "Streamed OpenAI completions and chat completions always end with the usage chunk, as "
+        "with stream_options.include_usage, whether or not a request asks for it.",
+    )
     enable_cache_report: bool = _arg(
         False,
         "Report the prompt tokens served from the prefix cache in the OpenAI endpoints' usage: "

@@ -92,7 +92,6 @@ class UpstreamOnlyArgs:
     pp_size: int = 1
     pp_max_micro_batch_size: int | None = None
     pp_async_batch_depth: int = 0
-    stream_response_default_include_usage: bool = False
     incremental_streaming_output: bool = False
     enable_streaming_session: bool = False
     constrained_json_whitespace_pattern: str | None = None

@@ -173,6 +173,9 @@ class OpenAIServingBase:
         self.metrics = metrics
         server_args = getattr(tokenizer_manager, "server_args", None)
         self.enable_cache_report = bool(getattr(server_args, "enable_cache_report", False))
+        self.default_include_usage = bool(
+            getattr(server_args, "stream_response_default_include_usage", False)
+        )
 
     @property
     def model_name(self) -> str:
@@ -258,6 +261,13 @@ class OpenAIServingBase:
         if self.tm.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tm.tokenizer.decode([token_id])
+
+    def stream_includes_usage(self, stream_options: Any) -> bool:
+        """Whether a stream ends with the usage chunk: the request's
+        ``stream_options.include_usage``, or always with --stream-response-default-include-usage."""
+        return self.default_include_usage or bool(
+            stream_options is not None and stream_options.include_usage
+        )
 
     def usage(self, outputs: list[dict[str, Any]], n: int) -> UsageInfo:
         """Usage of a batch: each prompt counted once (not once per choice), its cached tokens

@@ -250,7 +250,7 @@ class OpenAIServingChat(OpenAIServingBase):
                 ))
 
         def trailer() -> Iterable[bytes]:
-            if req.stream_options and req.stream_options.include_usage:
+            if self.stream_includes_usage(req.stream_options):
                 yield sse_event(ChatCompletionStreamResponse(
                     id=response_id, model=self.model_name, choices=[],
                     usage=self.usage(state.final_outputs(), req.n),

@@ -180,7 +180,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             yield sse_event(chunk.model_dump())
 
         def trailer() -> Iterable[bytes]:
-            if req.stream_options and req.stream_options.include_usage:
+            if self.stream_includes_usage(req.stream_options):
                 chunk = CompletionStreamResponse(
                     id=response_id, model=self.model_name, choices=[],
                     usage=self.usage(state.final_outputs(), req.n),

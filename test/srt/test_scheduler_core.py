@@ -34,7 +34,7 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightsFromTensorReqInput,
     UpdateWeightVersionReqInput,
 )
-from sglang.srt.managers.schedule_batch import ReqStatus
+from sglang.srt.managers.schedule_batch import ForwardMode, ReqStatus
 from sglang.srt.managers.scheduler import Scheduler
 
 PROMPTS = {
@@ -337,6 +337,45 @@ def test_retraction_under_memory_pressure_keeps_tokens_exact(model_dir: str) -> 
         assert len(rec.logprobs) == 40
     assert sum(sink.by_rid[rid].num_retractions for rid in prompts) >= 2
     assert_no_leak(core)
+
+
+def _prefill_sizes(core: Scheduler) -> list[int]:
+    """Run ``core`` until idle; the number of requests in each prefill forward."""
+    sizes = []
+    while core.has_runnable_work():
+        core.run_step()
+        core.check_invariants()
+        batch = core.last_batch
+        if batch is not None and batch.forward_mode == ForwardMode.EXTEND:
+            sizes.append(len(batch.reqs))
+    return sizes
+
+
+@pytest.mark.parametrize(("limit", "expected"), [(None, [4]), (2, [2, 2]), (1, [1] * 4)])
+def test_prefill_max_requests_caps_each_prefill_batch(
+    model_dir: str, limit: int | None, expected: list[int]
+) -> None:
+    """--prefill-max-requests N: no prefill forward holds more than N requests, and every
+    request still ends with its uninterrupted tokens."""
+    core, _, sink = make_core(model_dir, prefill_max_requests=limit)
+    prompts = {f"r{i}": list(range(20 + 10 * i, 28 + 10 * i)) for i in range(4)}
+    for rid, prompt in prompts.items():
+        submit(core, rid, prompt, MAX_NEW)
+    assert _prefill_sizes(core) == expected
+    vocab = core.model_config.vocab_size
+    for rid, prompt in prompts.items():
+        assert sink.by_rid[rid].output_ids == expected_output(prompt, MAX_NEW, vocab)
+    assert_no_leak(core)
+
+
+def test_prefill_max_requests_counts_the_chunked_prompt(model_dir: str) -> None:
+    """The continuing chunked prompt takes a place: with a limit of 1 a short request does
+    not join the long prompt's last (8-token) chunk, as it does without the limit."""
+    for limit, expected in ((None, [1, 1, 2, 1]), (1, [1, 1, 1, 1, 1])):
+        core, _, sink = make_core(model_dir, prefill_max_requests=limit, chunked_prefill_size=16)
+        _submit_all(core, ["long", "a", "b"])
+        assert _prefill_sizes(core) == expected, limit
+        assert_no_leak(core)
 
 
 def test_weight_update_refused_halfway_changes_nothing(model_dir: str) -> None:

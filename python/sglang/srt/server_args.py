@@ -129,6 +129,11 @@ class ServerArgs(UpstreamOnlyArgs):
     max_prefill_tokens: int = _arg(
         16384, "Maximum number of prompt tokens prefilled in one forward pass."
     )
+    prefill_max_requests: int | None = _arg(
+        None,
+        "Most requests in one prefill forward pass (the continuing chunked prompt counted); "
+        "None: no limit but --max-prefill-tokens and --max-running-requests.",
+    )
     chunked_prefill_size: int = _arg(
         None,
         "Split prompts longer than this into chunks prefilled step by step "
@@ -549,6 +554,8 @@ class ServerArgs(UpstreamOnlyArgs):
             raise ValueError("--max-running-requests must be >= 1")
         if self.max_prefill_tokens < 1:
             raise ValueError("--max-prefill-tokens must be >= 1")
+        if self.prefill_max_requests is not None and self.prefill_max_requests < 1:
+            raise ValueError("--prefill-max-requests must be >= 1")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError("--chunked-prefill-size must be positive or -1 (disabled)")
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < self.page_size:

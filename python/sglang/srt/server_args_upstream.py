@@ -74,7 +74,6 @@ class UpstreamOnlyArgs:
     rl_quant_profile: str | None = None
     max_queued_requests: int | None = None
     enable_dynamic_chunking: bool = False
-    prefill_max_requests: int | None = None
     enable_priority_scheduling: bool = False
     disable_priority_preemption: bool = False
     default_priority_value: int | None = None

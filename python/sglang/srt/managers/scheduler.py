@@ -356,8 +356,11 @@ class Scheduler:
             computing.add(self.chunked_req)
             num_running += 1
         admitted = 0
+        batch_limit = self.server_args.prefill_max_requests
         for req in waiting:
             if num_running + admitted >= self.max_running_requests:
+                break
+            if batch_limit is not None and len(adder.can_run) >= batch_limit:
                 break
             if computing.defers(req):
                 continue

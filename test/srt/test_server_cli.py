@@ -162,6 +162,9 @@ def test_server_args_doc_is_up_to_date() -> None:
         {"gc_threshold": [-1]},
         {"gc_threshold": ["700"]},
         {"prefill_max_requests": 0},
+        {"prefill_max_requests": "2"},
+        {"prefill_max_requests": float("nan")},
+        {"gc_threshold": [2**31]},
     ],
 )
 def test_keyword_flags_and_choices_are_checked(kwargs: dict) -> None:

@@ -554,8 +554,10 @@ class ServerArgs(UpstreamOnlyArgs):
             raise ValueError("--max-running-requests must be >= 1")
         if self.max_prefill_tokens < 1:
             raise ValueError("--max-prefill-tokens must be >= 1")
-        if self.prefill_max_requests is not None and self.prefill_max_requests < 1:
-            raise ValueError("--prefill-max-requests must be >= 1")
+        limit = self.prefill_max_requests
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)
+                                  or limit < 1):
+            raise ValueError(f"--prefill-max-requests must be an integer >= 1, got {limit!r}")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError("--chunked-prefill-size must be positive or -1 (disabled)")
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < self.page_size:
@@ -570,10 +572,11 @@ class ServerArgs(UpstreamOnlyArgs):
             raise ValueError("--context-length must be >= 1")
         if self.gc_threshold is not None and not (
             1 <= len(self.gc_threshold) <= 3
-            and all(type(v) is int and v >= 0 for v in self.gc_threshold)
+            and all(type(v) is int and 0 <= v < 2**31 for v in self.gc_threshold)
         ):
             raise ValueError(
-                f"--gc-threshold takes 1 to 3 values of at least 0, got {self.gc_threshold}"
+                "--gc-threshold takes 1 to 3 integers from 0 to 2**31 - 1 (gc.set_threshold's "
+                f"C ints), got {self.gc_threshold}"
             )
         parsers: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
             ("--reasoning-parser", self.reasoning_parser, _REASONING_PARSERS),

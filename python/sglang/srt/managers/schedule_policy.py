@@ -41,13 +41,15 @@ def reserved_decode_tokens(running: list[Req], new_token_ratio: float) -> int:
 
 @dataclass
 class PrefillAdder:
-    """Admits requests into one prefill batch within three budgets.
+    """Admits requests into one prefill batch within its budgets.
 
     * ``rem_total_tokens``: KV tokens available (free + evictable) minus what running requests
       are expected to need;
     * ``rem_input_tokens``: ``--max-prefill-tokens`` for this forward pass;
     * ``rem_chunk_tokens``: ``--chunked-prefill-size`` (None: no chunking). A request longer
-      than what is left is cut, and becomes the batch's (single) chunked request.
+      than what is left is cut, and becomes the batch's (single) chunked request;
+    * ``max_requests``: ``--prefill-max-requests`` (None: no limit), the continuing chunked
+      request counted.
     """
 
     kv: ReqKV
@@ -56,6 +58,7 @@ class PrefillAdder:
     rem_chunk_tokens: int | None
     new_token_ratio: float
     page_size: int
+    max_requests: int | None = None
 
     def __post_init__(self) -> None:
         self.can_run: list[Req] = []
@@ -113,6 +116,8 @@ class PrefillAdder:
         self.rem_total_tokens += locked
 
     def budget_left(self) -> bool:
+        if self.max_requests is not None and len(self.can_run) >= self.max_requests:
+            return False
         return self.rem_input_tokens > 0 and (
             self.rem_chunk_tokens is None or self.rem_chunk_tokens > 0
         )

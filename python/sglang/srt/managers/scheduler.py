@@ -346,6 +346,7 @@ class Scheduler:
             rem_chunk_tokens=None if chunk == -1 else chunk,
             new_token_ratio=self.new_token_ratio,
             page_size=self.server_args.page_size,
+            max_requests=self.server_args.prefill_max_requests,
         )
         # Prompts this batch computes: a waiting request that begins with enough of the same
         # tokens waits a round and then finds them cached (share_computed) instead of
@@ -356,11 +357,8 @@ class Scheduler:
             computing.add(self.chunked_req)
             num_running += 1
         admitted = 0
-        batch_limit = self.server_args.prefill_max_requests
         for req in waiting:
             if num_running + admitted >= self.max_running_requests:
-                break
-            if batch_limit is not None and len(adder.can_run) >= batch_limit:
                 break
             if computing.defers(req):
                 continue

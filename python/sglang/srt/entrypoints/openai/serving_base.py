@@ -171,10 +171,11 @@ class OpenAIServingBase:
     def __init__(self, tokenizer_manager: TokenizerManagerProtocol, metrics: Any) -> None:
         self.tm = tokenizer_manager
         self.metrics = metrics
-        server_args = getattr(tokenizer_manager, "server_args", None)
-        self.enable_cache_report = bool(getattr(server_args, "enable_cache_report", False))
+        # None with a frontend that has no ServerArgs (tests' fakes): every option at its default.
+        self.server_args = getattr(tokenizer_manager, "server_args", None)
+        self.enable_cache_report = bool(getattr(self.server_args, "enable_cache_report", False))
         self.default_include_usage = bool(
-            getattr(server_args, "stream_response_default_include_usage", False)
+            getattr(self.server_args, "stream_response_default_include_usage", False)
         )
 
     @property

@@ -63,11 +63,10 @@ class OpenAIServingChat(OpenAIServingBase):
     def __init__(self, tokenizer_manager: Any, metrics: Any, chat_template: str | None) -> None:
         super().__init__(tokenizer_manager, metrics)
         self.chat_template = chat_template
-        server_args = getattr(tokenizer_manager, "server_args", None)
-        self.reasoning_parser = getattr(server_args, "reasoning_parser", None)
-        self.tool_call_parser = getattr(server_args, "tool_call_parser", None)
+        self.reasoning_parser = getattr(self.server_args, "reasoning_parser", None)
+        self.tool_call_parser = getattr(self.server_args, "tool_call_parser", None)
         self.model_sampling_defaults = load_model_sampling_defaults(
-            tokenizer_manager.model_path, getattr(server_args, "sampling_defaults", "model")
+            tokenizer_manager.model_path, getattr(self.server_args, "sampling_defaults", "model")
         )
 
     def _output_parser(self, req: ChatCompletionRequest) -> ChatOutputParser:

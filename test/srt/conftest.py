@@ -1,8 +1,8 @@
 """Shared fixtures: tiny random-weight checkpoints (with a real tokenizer) written offline.
 
 ``tiny_model_dir(arch)`` returns a directory that both transformers and sglang load: a random
-Llama / Qwen2 / Qwen3 saved with ``save_pretrained`` next to a small byte-level BPE tokenizer
-trained here on a fixed corpus (no hub access).
+Llama / Qwen2 / Qwen3 (or Mixtral / Qwen2-MoE / Qwen3-MoE) saved with ``save_pretrained`` next
+to a small byte-level BPE tokenizer trained here on a fixed corpus (no hub access).
 """
 
 from __future__ import annotations
@@ -105,7 +105,15 @@ def _write_tokenizer(path: Path) -> None:
 def write_tiny_model(path: Path, arch: str = "llama", **overrides: object) -> Path:
     """Save a tiny random ``arch`` model + tokenizer at ``path``; returns ``path``."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     path.mkdir(parents=True, exist_ok=True)
     _write_tokenizer(path)
@@ -124,9 +132,24 @@ def write_tiny_model(path: Path, arch: str = "llama", **overrides: object) -> Pa
         pad_token_id=0,
     )
     common.update(overrides)
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
-    if arch == "qwen3":
+    config_cls = {
+        "llama": LlamaConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "mixtral": MixtralConfig,
+        "qwen2_moe": Qwen2MoeConfig,
+        "qwen3_moe": Qwen3MoeConfig,
+    }[arch]
+    if arch in ("qwen3", "qwen3_moe"):
         common.setdefault("head_dim", 16)
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        # Experts 48 wide, 3 of 8 per token; Qwen2-MoE's shared expert 96 wide.
+        moe = dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48)
+        moe.update(shared_expert_intermediate_size=96, norm_topk_prob=arch == "qwen3_moe")
+        for key, value in moe.items():
+            common.setdefault(key, value)
+    if arch == "mixtral":
+        common.setdefault("num_local_experts", 4)
     config = config_cls(**common)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -140,7 +163,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pa
     cache: dict[tuple, Path] = {}
 
     def make(arch: str = "llama", **overrides: object) -> Path:
-        key = (arch, tuple(sorted(overrides.items())))
+        key = (arch, repr(sorted(overrides.items())))  # repr: list values are unhashable
         if key not in cache:
             cache[key] = write_tiny_model(
                 tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **overrides

@@ -14,7 +14,16 @@ from model_test_utils import (
     load_from_hf,
     set_input_logprobs,
 )
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from sglang.srt.layers.attention import get_attention_backend_class, torch_native_backend
 from sglang.srt.layers.attention.decode_kv_mirror import DecodeKVMirror, MirrorPlan
@@ -33,6 +42,30 @@ ARCHS = {
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM", {}),
     # head_dim 32 != hidden / heads = 16: the explicit head_dim must be honoured.
     "qwen3": (Qwen3Config, "Qwen3ForCausalLM", {"head_dim": 32}),
+    # Mixture-of-experts blocks (layers/moe.py); layer 1 of the Qwen2-MoE model stays dense.
+    "mixtral": (MixtralConfig, "MixtralForCausalLM", {"num_local_experts": 4}),
+    "qwen2_moe": (
+        Qwen2MoeConfig,
+        "Qwen2MoeForCausalLM",
+        {
+            "num_experts": 6,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "shared_expert_intermediate_size": 96,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "qwen3_moe": (
+        Qwen3MoeConfig,
+        "Qwen3MoeForCausalLM",
+        {
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 48,
+            "norm_topk_prob": True,
+        },
+    ),
 }
 PROMPTS = [[5, 17, 3, 99, 250, 8, 41], list(range(30, 43)), [200, 7, 7]]
 

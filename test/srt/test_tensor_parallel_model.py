@@ -42,6 +42,10 @@ MODELS = {  # name -> (arch, config overrides)
     "llama_kv1": ("llama", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
     # Biases everywhere (set to random values after loading: HF initializes them to zero).
     "llama_bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    # MoE blocks: each expert's columns split, the router replicated, one all-reduce per
+    # block; Qwen2-MoE with its shared expert and a dense layer 1.
+    "qwen2_moe": ("qwen2_moe", {"mlp_only_layers": [1]}),
+    "qwen3_moe": ("qwen3_moe", {}),
 }
 
 

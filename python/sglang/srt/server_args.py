@@ -212,10 +212,10 @@ class ServerArgs(UpstreamOnlyArgs):
         "On CPU, run decode steps through the model's modules instead of one flat loop over "
         "the C++ kernels (the same kernels on the same operands, so the same bits, with the "
         "per-layer module calls and operand checks left out: 1.05-1.3x faster decode steps "
-        "on SmolLM2-135M). The loop serves Llama-family models (Llama, Mistral, Qwen2, Qwen3) "
-        "with the C++ decode-attention kernel and fused elementwise kernels, one "
-        "tensor-parallel rank, no LoRA and no --enable-torch-compile; other runs take the "
-        "module path anyway (see docs/performance.md).",
+        "on SmolLM2-135M). The loop serves the dense Llama-family models (Llama, Mistral, "
+        "Qwen2, Qwen3; not the MoE ones) with the C++ decode-attention kernel and fused "
+        "elementwise kernels, one tensor-parallel rank, no LoRA and no --enable-torch-compile; "
+        "other runs take the module path anyway (see docs/performance.md).",
     )
     disable_cuda_fused_ops: bool = _arg(
         False,

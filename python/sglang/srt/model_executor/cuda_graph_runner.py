@@ -37,10 +37,12 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.layers.moe import has_sparse_moe
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.server_args import ServerArgs
@@ -57,12 +59,14 @@ _FIXED_RESERVE = 256 << 20
 _RESERVE_PER_GRAPH_LAYER = 1 << 20
 
 
-def cuda_graph_off_reason(args: ServerArgs, tp_size: int) -> str | None:
-    """Why decode runs eagerly under ``args``; None when it replays CUDA graphs."""
+def cuda_graph_off_reason(args: ServerArgs, tp_size: int, model: nn.Module) -> str | None:
+    """Why decode of ``model`` runs eagerly under ``args``; None when it replays CUDA graphs."""
     if torch.device(args.device).type != "cuda":
         return "not a CUDA device"
     if args.disable_cuda_graph:
         return "--disable-cuda-graph"
+    if has_sparse_moe(model):
+        return "the MoE blocks' routing is data-dependent (read back to the host every step)"
     if args.attention_backend != "triton":
         # Its decode reads host-side lengths, which a replay cannot change.
         return f"the {args.attention_backend} attention backend is not graph-safe (use triton)"

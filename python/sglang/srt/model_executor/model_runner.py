@@ -160,7 +160,7 @@ class ModelRunner:
         self._released_shapes: dict[str, torch.Size] = {}
         # Device memory held back from the KV pool for the CUDA graphs (0 without them).
         self._graph_reserve = 0
-        if cuda_graph_off_reason(server_args, self.tp_size) is None:
+        if cuda_graph_off_reason(server_args, self.tp_size, self.model) is None:
             self._graph_reserve = cuda_graph_reserve_bytes(
                 server_args, model_config, _MAX_DEFAULT_RUNNING_REQUESTS
             )
@@ -244,7 +244,7 @@ class ModelRunner:
     def _init_cuda_graphs(self) -> DecodeGraphRunner | None:
         """The decode graph runner, or None where decode stays eager (the reason logged on
         CUDA)."""
-        reason = cuda_graph_off_reason(self.server_args, self.tp_size)
+        reason = cuda_graph_off_reason(self.server_args, self.tp_size, self.model)
         if reason is not None:
             if torch.device(self.device).type == "cuda":
                 logger.info("CUDA graphs off: %s; decode runs eagerly", reason)

@@ -47,6 +47,15 @@ _COMPUTE_CONFIG_KEYS = (
     "attention_bias",
     "mlp_bias",
     "hidden_act",
+    # Mixture-of-experts routing and layout (layers/moe.py).
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
 )
 _SHAPE_ATTRS = (
     "architectures",

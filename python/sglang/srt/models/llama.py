@@ -18,7 +18,7 @@ each), the embedding and LM head vocabulary-parallel. The checkpoint names are u
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -63,21 +63,24 @@ def get_head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def check_tensor_parallel_fit(config: PretrainedConfig, tp_size: int) -> None:
+def check_tensor_parallel_fit(
+    config: PretrainedConfig, tp_size: int, mlp_widths: dict[str, int] | None = None
+) -> None:
     """Raise ValueError naming the numbers when the model cannot be split over ``tp_size``
-    ranks: query heads and MLP width must divide evenly, and the KV heads must either divide
-    evenly or (fewer KV heads than ranks) be replicated evenly (tp a multiple of them)."""
+    ranks: query heads and every MLP width (``mlp_widths``: config field -> value; by default
+    ``intermediate_size``) must divide evenly, and the KV heads must either divide evenly or
+    (fewer KV heads than ranks) be replicated evenly (tp a multiple of them)."""
+    if mlp_widths is None:
+        mlp_widths = {"intermediate_size": config.intermediate_size}
     num_heads = config.num_attention_heads
     problems = []
     if num_heads % tp_size:
         problems.append(
             f"num_attention_heads ({num_heads}) is not divisible by --tp-size ({tp_size})"
         )
-    if config.intermediate_size % tp_size:
-        problems.append(
-            f"intermediate_size ({config.intermediate_size}) is not divisible by "
-            f"--tp-size ({tp_size})"
-        )
+    for field, width in mlp_widths.items():
+        if width % tp_size:
+            problems.append(f"{field} ({width}) is not divisible by --tp-size ({tp_size})")
     try:
         kv_heads_per_rank(getattr(config, "num_key_value_heads", None) or num_heads, tp_size)
     except ValueError as e:
@@ -165,28 +168,50 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul.
 
-    def __init__(self, config: PretrainedConfig, arch: LlamaArch) -> None:
+    ``intermediate_size`` defaults to the config's; ``reduce_results`` False leaves the down
+    product's tensor-parallel partial sums unreduced (an MoE expert: the block reduces once).
+    """
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        arch: LlamaArch,
+        intermediate_size: int | None = None,
+        reduce_results: bool = True,
+    ) -> None:
         super().__init__()
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [size, size], arch.mlp_bias
         )
-        self.down_proj = RowParallelLinear(size, config.hidden_size, arch.mlp_bias)
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, arch.mlp_bias, reduce_results=reduce_results
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+# Builds the feed-forward block of decoder layer ``layer_id``: a LlamaMLP, or an MoE block
+# (LlamaForCausalLM.make_mlp). None: a LlamaMLP in every layer.
+MLPFactory = Callable[[PretrainedConfig, int, LlamaArch], nn.Module]
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, layer_id: int, arch: LlamaArch, rotary_emb: RotaryEmbedding
+        self,
+        config: PretrainedConfig,
+        layer_id: int,
+        arch: LlamaArch,
+        rotary_emb: RotaryEmbedding,
+        make_mlp: MLPFactory | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, arch, rotary_emb)
-        self.mlp = LlamaMLP(config, arch)
+        self.mlp = make_mlp(config, layer_id, arch) if make_mlp else LlamaMLP(config, arch)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -242,7 +267,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (no LM head)."""
 
-    def __init__(self, config: PretrainedConfig, arch: LlamaArch) -> None:
+    def __init__(
+        self, config: PretrainedConfig, arch: LlamaArch, make_mlp: MLPFactory | None = None
+    ) -> None:
         super().__init__()
         rope_theta, rope_scaling, partial_rotary_factor = rope_params_from_config(config)
         rotary_emb = get_rope(
@@ -256,7 +283,8 @@ class LlamaModel(nn.Module):
         self.rotary_emb = rotary_emb
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, arch, rotary_emb) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, arch, rotary_emb, make_mlp)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -286,7 +314,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama decoder + LM head. Subclasses change ``arch_from_config`` and nothing else."""
+    """Llama decoder + LM head. Subclasses change ``arch_from_config``, and the MoE models
+    ``make_mlp``, ``mlp_widths`` and the weight-name mapping."""
 
     # HF checkpoint name fragment -> (fragment of our fused parameter, shard id in it).
     stacked_params_mapping: ClassVar[tuple[tuple[str, str, Hashable], ...]] = (
@@ -308,11 +337,22 @@ class LlamaForCausalLM(nn.Module):
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
         )
 
+    @classmethod
+    def make_mlp(cls, config: PretrainedConfig, layer_id: int, arch: LlamaArch) -> nn.Module:
+        """The feed-forward block of layer ``layer_id`` (an :data:`MLPFactory`)."""
+        return LlamaMLP(config, arch)
+
+    @classmethod
+    def mlp_widths(cls, config: PretrainedConfig) -> dict[str, int]:
+        """The MLP widths that tensor parallelism splits (config field -> value)."""
+        return {"intermediate_size": config.intermediate_size}
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        check_tensor_parallel_fit(config, get_tensor_model_parallel_world_size())
+        tp_size = get_tensor_model_parallel_world_size()
+        check_tensor_parallel_fit(config, tp_size, self.mlp_widths(config))
         self.config = config
-        self.model = LlamaModel(config, self.arch_from_config(config))
+        self.model = LlamaModel(config, self.arch_from_config(config), self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             # Same module, same Parameter: named_parameters() lists it once, as the embedding.

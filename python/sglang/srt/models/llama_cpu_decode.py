@@ -29,7 +29,7 @@ to the modules): code that hooks the model in the model process should build a r
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -42,7 +42,7 @@ from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from sglang.srt.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from sglang.srt.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 
 class _Linear(NamedTuple):
@@ -86,7 +86,8 @@ def _norm(module: RMSNorm) -> tuple[torch.Tensor, float]:
 
 
 def _plan(layer: LlamaDecoderLayer) -> _LayerPlan:
-    attn, mlp = layer.self_attn, layer.mlp
+    # A dense MLP: unsupported_reason() refused the model otherwise.
+    attn, mlp = layer.self_attn, cast(LlamaMLP, layer.mlp)
     qk_norms = None
     if attn.qk_norm:
         qk_norms = (_norm(attn.q_norm), _norm(attn.k_norm))
@@ -149,11 +150,11 @@ class LlamaCpuDecodeLoop:
     def unsupported_reason(model: torch.nn.Module, pool: MHATokenToKVPool) -> str | None:
         """Why the loop would not compute what the model's forward computes, or None.
 
-        It needs the Llama layer structure with one tensor-parallel rank, the fused CPU
-        kernels switched on for every norm, activation and rotary embedding and for the KV
-        pool (each of the module path's fused branches taken unconditionally), the plain
-        RMSNorm, one dtype for the weights and the pool, and no forward hooks on any module
-        (LoRA adds them) nor global ones.
+        It needs the Llama layer structure (dense MLPs, no MoE blocks) with one
+        tensor-parallel rank, the fused CPU kernels switched on for every norm, activation and
+        rotary embedding and for the KV pool (each of the module path's fused branches taken
+        unconditionally), the plain RMSNorm, one dtype for the weights and the pool, and no
+        forward hooks on any module (LoRA adds them) nor global ones.
         """
         if not isinstance(model, LlamaForCausalLM):
             return f"{type(model).__name__} is not a Llama-family model"
@@ -164,6 +165,8 @@ class LlamaCpuDecodeLoop:
             return f"{type(inner).__name__} is not the Llama decoder stack"
         if not all(type(layer) is LlamaDecoderLayer for layer in inner.layers):
             return "a decoder layer is not a LlamaDecoderLayer"
+        if not all(type(layer.mlp) is LlamaMLP for layer in inner.layers):
+            return "a decoder layer's feed-forward block is not the dense LlamaMLP (MoE)"
         dtype = inner.embed_tokens.weight.dtype
         for name, module in model.named_modules():
             if module._forward_hooks or module._forward_pre_hooks:

@@ -198,7 +198,7 @@ def tm(tiny_model_dir: Callable[..., Path]) -> TokenizerManager:
 
 ENGINE_KEYS = ["prompt", "input_ids", "rid", "return_logprob", "logprob_start_len",
                "top_logprobs_num", "stream", "return_entropy", "entropy_mode", "entropy_top_k",
-               "sampling_params", "lora_path"]
+               "sampling_params", "lora_path", "return_routed_experts", "routed_experts_start_len"]
 
 
 @FUZZ_SETTINGS
@@ -210,7 +210,8 @@ def test_fuzz_engine_validation(tm: TokenizerManager, kwargs: dict) -> None:
     args = {"prompt": None, "sampling_params": None, "input_ids": None, "return_logprob": False,
             "logprob_start_len": None, "top_logprobs_num": None, "stream": False, "rid": None,
             "return_entropy": False, "return_text_in_logprobs": False, "entropy_mode": None,
-            "entropy_top_k": None, "lora_path": None, "upstream_kwargs": {}, **kwargs}
+            "entropy_top_k": None, "lora_path": None, "return_routed_experts": False,
+            "routed_experts_start_len": 0, "upstream_kwargs": {}, **kwargs}
     COUNTS["engine_calls"] += 1
     try:
         obj = _make_request(args)

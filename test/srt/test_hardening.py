@@ -317,6 +317,8 @@ def test_engine_requests_are_refused_before_sending(tm: TokenizerManager, kwargs
         "return_text_in_logprobs": False,
         "entropy_mode": None,
         "entropy_top_k": None,
+        "return_routed_experts": False,
+        "routed_experts_start_len": 0,
         "upstream_kwargs": {},
         **kwargs,
     }

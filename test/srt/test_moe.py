@@ -5,13 +5,17 @@ A tiny random Qwen3-MoE (8 experts, 3 per token) through ``sglang.Engine``: gree
 logprobs equal transformers'; every pause mode keeps the token accounting exact; weight updates
 from transformers' live (stacked-expert) parameters and from disk (per-expert names) give the
 updated model's tokens; deterministic mode is batch-invariant and survives a retract bitwise.
+Routed experts (``--enable-return-routed-experts``) over HTTP against transformers' router, and
+unchanged by batching and retraction.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from engine_test_utils import (
@@ -19,11 +23,13 @@ from engine_test_utils import (
     assert_kv_all_back,
     engine_state,
     ids_and_logprobs,
+    post,
     request_pool,
     submit_greedy,
     wait_running,
 )
-from model_test_utils import hf_greedy
+from model_test_utils import hf_greedy, make_runner
+from server_test_utils import ServerProcess
 from transformers import AutoModelForCausalLM
 
 import sglang as sgl
@@ -166,25 +172,87 @@ def test_refused_update_changes_nothing(engine, hf_model) -> None:
     assert [ids_and_logprobs(out) for out in _greedy(engine)] == before
 
 
+def _routing(meta: dict, num_layers: int, top_k: int) -> np.ndarray:
+    """meta_info["routed_experts"] decoded: int32 ``[rows, num_layers, top_k]``."""
+    raw = base64.b64decode(meta["routed_experts"])
+    return np.frombuffer(raw, dtype=np.int32).reshape(-1, num_layers, top_k)
+
+
+def test_routed_experts_need_the_server_flag(engine, tiny_model_dir) -> None:
+    with pytest.raises(ValueError, match="--enable-return-routed-experts"):
+        engine.generate(input_ids=[1, 2], sampling_params=GREEDY, return_routed_experts=True)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        make_runner(tiny_model_dir("llama"), enable_return_routed_experts=True)
+
+
+@pytest.fixture(scope="module")
+def routing_server(tiny_model_dir):
+    """Qwen2-MoE (layer 1 dense) recording routed experts, over HTTP."""
+    path = tiny_model_dir("qwen2_moe", mlp_only_layers=[1])
+    with ServerProcess(path, "--enable-return-routed-experts") as server:
+        yield server, path
+
+
+def test_routed_experts_over_http_match_the_router(routing_server) -> None:
+    """Rows are the positions ``[start, prompt + output - 1)``: each token fed to the model,
+    its 3 experts per layer as transformers' router ranks them, -1 in the dense layer; a
+    cached prefix keeps the routing it was computed with."""
+    server, path = routing_server
+    prompt = [5, 17, 3, 99, 250, 8, 41]
+    body = {"input_ids": prompt, "sampling_params": GREEDY, "return_routed_experts": True}
+    first = post(server, "/generate", body)
+    assert first.status_code == 200, first.text
+    out = first.json()
+    routing = _routing(out["meta_info"], 2, 3)
+    fed = prompt + out["output_ids"][:-1]
+    assert routing.shape == (len(fed), 2, 3)
+    assert out["meta_info"]["routed_experts_start_len"] == 0
+    assert (routing[:, 1] == -1).all()  # mlp_only_layers: no router
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        router_logits = hf(torch.tensor([fed]), output_router_logits=True).router_logits
+    probs = torch.softmax(router_logits[0].reshape(len(fed), -1).float(), -1)
+    assert routing[:, 0].tolist() == probs.topk(3, dim=-1).indices.tolist()
+
+    again = post(server, "/generate", {**body, "routed_experts_start_len": 4}).json()
+    assert again["meta_info"]["cached_tokens"] > 0
+    assert again["meta_info"]["routed_experts_start_len"] == 4
+    assert np.array_equal(_routing(again["meta_info"], 2, 3), routing[4:])
+    prompt_only = {**body, "sampling_params": {"max_new_tokens": 0}}
+    routing_only = _routing(post(server, "/generate", prompt_only).json()["meta_info"], 2, 3)
+    assert np.array_equal(routing_only, routing[: len(prompt) - 1])
+    plain = post(server, "/generate", {"input_ids": prompt, "sampling_params": GREEDY}).json()
+    assert "routed_experts" not in plain["meta_info"]
+    for bad in ({"routed_experts_start_len": 8}, {"routed_experts_start_len": -1},
+                {"return_routed_experts": "yes"}):
+        r = post(server, "/generate", {**body, **bad})
+        assert r.status_code == 400 and next(iter(bad)) in r.text, r.text
+
+
 def test_deterministic_mode_is_batch_invariant_through_a_retract(moe_dir: Path) -> None:
+    """Tokens, logprobs and routed experts of a request: the same alone, in a batch, and
+    through a retract (re-prefilled from its own tokens)."""
     prompt = PROMPTS[0]
     params = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+    kw = {"return_logprob": True, "return_routed_experts": True}
+
+    def result(out: dict) -> tuple:
+        return (*ids_and_logprobs(out), out["meta_info"]["routed_experts"])
+
     with sgl.Engine(
-        model_path=str(moe_dir), random_seed=0, enable_deterministic_inference=True
+        model_path=str(moe_dir),
+        random_seed=0,
+        enable_deterministic_inference=True,
+        enable_return_routed_experts=True,
     ) as eng:
-        alone = ids_and_logprobs(
-            eng.generate(input_ids=prompt, sampling_params=params, return_logprob=True)
-        )
+        alone = result(eng.generate(input_ids=prompt, sampling_params=params, **kw))
+        assert _routing({"routed_experts": alone[2]}, 2, 3).shape[0] == len(prompt) + MAX_NEW - 1
         others = [[3, 1, 4, 1, 5, 9, 2, 6], [42] * 20, [7, 7]]
-        batch = eng.generate(
-            input_ids=[*others, prompt], sampling_params=params, return_logprob=True
-        )
-        assert ids_and_logprobs(batch[-1]) == alone
+        batch = eng.generate(input_ids=[*others, prompt], sampling_params=params, **kw)
+        assert result(batch[-1]) == alone
         with request_pool(eng, 2) as pool:
             futs = [
-                pool.submit(
-                    eng.generate, input_ids=p, sampling_params=params, return_logprob=True
-                )
+                pool.submit(eng.generate, input_ids=p, sampling_params=params, **kw)
                 for p in (others[0], prompt)
             ]
             wait_running(lambda: engine_state(eng), 2)
@@ -192,5 +260,5 @@ def test_deterministic_mode_is_batch_invariant_through_a_retract(moe_dir: Path) 
             eng.continue_generation()
             outs = [f.result(timeout=120) for f in futs]
         assert outs[1]["meta_info"]["total_retractions"] >= 1
-        assert ids_and_logprobs(outs[1]) == alone
-        assert ids_and_logprobs(outs[0]) == ids_and_logprobs(batch[0])
+        assert result(outs[1]) == alone
+        assert result(outs[0]) == result(batch[0])

@@ -433,6 +433,13 @@ class ServerArgs(UpstreamOnlyArgs):
     enable_entropy_with_logprobs: bool = _arg(
         False, "Also return output_token_entropy for every request that returns logprobs."
     )
+    enable_return_routed_experts: bool = _arg(
+        False,
+        "Mixture-of-experts models: record which experts every layer routed each token to, so "
+        "that requests with return_routed_experts get them in meta_info routed_experts "
+        "(rollout routing replay; docs/models.md). Costs a host copy per step; refused for a "
+        "model without MoE layers.",
+    )
 
     # Multi-LoRA serving (docs/lora.md)
     enable_lora: bool = _arg(

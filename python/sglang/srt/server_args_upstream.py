@@ -283,7 +283,6 @@ class UpstreamOnlyArgs:
     disable_fast_image_processor: bool = False
     keep_mm_feature_on_device: bool = False
     enable_return_hidden_states: bool = False
-    enable_return_routed_experts: bool = False
     scheduler_recv_interval: int = 1
     numa_node: list[int] | None = None
     rl_on_policy_target: str | None = None

@@ -297,6 +297,8 @@ class Engine(EngineBase):
         entropy_mode: str | list[str | None] | None = None,
         entropy_top_k: int | list[int | None] | None = None,
         lora_path: str | list[str | None] | None = None,
+        return_routed_experts: bool | list[bool] = False,
+        routed_experts_start_len: int | list[int] = 0,
         **upstream_kwargs: Any,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (-> dict) or a batch (-> list); ``stream`` -> iterator.
@@ -307,6 +309,9 @@ class Engine(EngineBase):
         (None / False) and refused with ValueError when set: this engine lacks those features.
         ``lora_path``: the LoRA adapter name (one per prompt for a batch; None: the base
         model; docs/lora.md); one that is not loaded is a ValueError.
+        ``return_routed_experts``: the MoE routing of positions ``[routed_experts_start_len,
+        seqlen - 1)`` in ``meta_info["routed_experts"]`` (needs
+        ``enable_return_routed_experts``; docs/models.md).
         """
         obj = _make_request(locals())
         if stream:
@@ -337,6 +342,8 @@ class Engine(EngineBase):
         entropy_mode: str | list[str | None] | None = None,
         entropy_top_k: int | list[int | None] | None = None,
         lora_path: str | list[str | None] | None = None,
+        return_routed_experts: bool | list[bool] = False,
+        routed_experts_start_len: int | list[int] = 0,
         **upstream_kwargs: Any,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """Like :meth:`generate`, awaited in the caller's loop; ``stream`` -> async iterator."""
@@ -735,6 +742,8 @@ def _make_request(args: dict[str, Any]) -> GenerateReqInput:
         entropy_mode=args["entropy_mode"],
         entropy_top_k=args["entropy_top_k"],
         lora_path=args.get("lora_path"),
+        return_routed_experts=args["return_routed_experts"],
+        routed_experts_start_len=args["routed_experts_start_len"],
         **args["upstream_kwargs"],
     )
 

@@ -48,11 +48,14 @@ def last_token_rows(forward_batch: ForwardBatch) -> torch.Tensor | None:
     and queries) on these rows only, and pass ``rows_are_last=True`` to the logits processor.
     None in DECODE and wherever each request has one new token (every row is a last one), when
     prompt logprobs are asked (they need every row), and when a LoRA adapter serves the step
-    (its row groups index all of the step's tokens). The kept rows' values are those of the
+    (its row groups index all of the step's tokens), and when the step records routed experts
+    (every token's routing in every layer is wanted). The kept rows' values are those of the
     full pass up to the rounding of the products (fewer rows may take another kernel, as in
     any smaller batch).
     """
     if forward_batch.is_decode or forward_batch.input_logprob_rows is not None:
+        return None
+    if forward_batch.records_routing:
         return None
     if forward_batch.batch_size == forward_batch.num_tokens:
         return None

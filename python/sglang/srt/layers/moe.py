@@ -20,6 +20,9 @@ Each token's experts, weights, products and sum order depend on that token alone
 products take the layers' ``linear_fn``), so the block is batch-invariant whenever its
 products are (deterministic mode).
 
+With ``--enable-return-routed-experts`` each block records its choices in a
+:class:`RoutedExpertsRecorder` (``meta_info["routed_experts"]``, docs/models.md).
+
 The routing is data-dependent (which experts run, and on how many rows, is read back to the
 host each step), so the block runs eagerly: ``torch.compile`` leaves it out of its graphs and
 CUDA graphs are not captured for a model that has one (:func:`has_sparse_moe`).
@@ -67,6 +70,7 @@ class SparseMoE(nn.Module):
         make_expert: Callable[[], nn.Module],
         shared_expert: nn.Module | None = None,
         shared_expert_gate: bool = False,
+        layer_id: int = 0,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -76,6 +80,9 @@ class SparseMoE(nn.Module):
             )
         self.num_experts = num_experts
         self.top_k = top_k
+        self.layer_id = layer_id  # the decoder layer's index (where its routing is recorded)
+        # Set by the model runner under --enable-return-routed-experts.
+        self.recorder: RoutedExpertsRecorder | None = None
         self.renormalize = renormalize
         self.tp_size = get_tp_group().world_size
         self.gate = ReplicatedLinear(hidden_size, num_experts)
@@ -87,6 +94,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[tokens, hidden]`` -> ``[tokens, hidden]`` (all-reduced over the ranks)."""
         weights, expert_ids = route(self.gate(x), self.top_k, self.renormalize)
+        if self.recorder is not None:
+            self.recorder.record(self.layer_id, expert_ids)
         out = self._routed(x, weights.to(x.dtype), expert_ids)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
@@ -128,6 +137,48 @@ class SparseMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, top_k={self.top_k}"
+
+
+class RoutedExpertsRecorder:
+    """``--enable-return-routed-experts``: the experts every MoE layer routed each token to,
+    kept per KV slot (so a prefix computed for one request serves another's), read back when a
+    request ends (rollout routing replay: a trainer replays these choices).
+
+    ``host[slot, layer, j]`` is the ``j``-th expert (the router's order) of the token whose KV
+    is in ``slot``, at decoder layer ``layer``; -1 in dense layers. A forward pass
+    :meth:`begin` s a step, each MoE block :meth:`record` s its choices, and :meth:`commit`
+    writes them to the step's slots (overwriting whatever an earlier token of that slot left).
+    Owned by the model runner; only its forward pass writes.
+    """
+
+    def __init__(self, num_slots: int, num_layers: int, top_k: int) -> None:
+        self.num_layers = num_layers
+        self.top_k = top_k
+        self.host = torch.full((num_slots, num_layers, top_k), -1, dtype=torch.int32)
+        self._step: torch.Tensor | None = None
+
+    def begin(self, num_tokens: int, device: torch.device) -> None:
+        """Start a forward pass over ``num_tokens`` tokens (every layer -1 until recorded)."""
+        shape = (num_tokens, self.num_layers, self.top_k)
+        self._step = torch.full(shape, -1, dtype=torch.int32, device=device)
+
+    def record(self, layer_id: int, expert_ids: torch.Tensor) -> None:
+        """Layer ``layer_id``'s ``[num_tokens, top_k]`` choices for the current pass."""
+        if self._step is None:
+            raise RuntimeError("routed experts recorded outside a forward pass")
+        self._step[:, layer_id] = expert_ids
+
+    def commit(self, slots: torch.Tensor) -> None:
+        """Store the pass's choices at the KV ``slots`` of its tokens (one per token)."""
+        step, self._step = self._step, None
+        if step is None:
+            raise RuntimeError("no forward pass to commit")
+        self.host[slots.cpu()] = step.cpu()
+
+    def read(self, slots: torch.Tensor) -> bytes:
+        """The choices of the tokens in ``slots``, in order: ``[len(slots), num_layers,
+        top_k]`` int32, as little-endian bytes."""
+        return self.host[slots.cpu()].numpy().astype("<i4").tobytes()
 
 
 def has_sparse_moe(model: nn.Module) -> bool:

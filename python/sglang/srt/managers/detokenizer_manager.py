@@ -70,6 +70,7 @@ _PASSTHROUGH_FIELDS = (
     "output_token_entropy_val",
     "weight_version_spans",
     "weight_version",
+    "routed_experts",
 )
 
 

@@ -44,6 +44,8 @@ _PER_REQUEST_FIELDS = (
     "entropy_mode",
     "entropy_top_k",
     "lora_path",
+    "return_routed_experts",
+    "routed_experts_start_len",
 )
 
 
@@ -52,7 +54,7 @@ _PER_REQUEST_FIELDS = (
 # accepted, as RL frameworks pass them unset; a set one is refused, never ignored.
 UNSUPPORTED_GENERATE_FIELDS = (
     "input_embeds", "image_data", "video_data", "audio_data", "modalities", "token_ids_logprob",
-    "return_hidden_states", "return_routed_experts", "session_params", "lora_id",
+    "return_hidden_states", "session_params", "lora_id",
     "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room",
     "bootstrap_pair_key", "decode_tp_size", "require_reasoning", "background", "return_bytes",
     "need_wait_for_mm_inputs", "num_items_assigned", "max_dynamic_patch", "min_dynamic_patch",
@@ -62,7 +64,7 @@ UNSUPPORTED_GENERATE_FIELDS = (
 # priority scheduling, cache/routing keys, metrics labels, tracing): accepted and not used.
 IGNORED_GENERATE_FIELDS = (
     "routed_dp_rank", "disagg_prefill_dp_rank", "data_parallel_rank", "priority",
-    "routed_experts_start_len", "conversation_id", "extra_key", "routing_key", "no_logs",
+    "conversation_id", "extra_key", "routing_key", "no_logs",
     "custom_labels", "external_trace_header", "received_time",
 )
 # Fields upstream lets a client send as null, meaning the default.
@@ -104,6 +106,10 @@ class GenerateReqInput:
     entropy_top_k: int | list[int | None] | None = None
     # The LoRA adapter (its name, as upstream) of each prompt; None: the base model.
     lora_path: str | list[str | None] | None = None
+    # MoE routing of the sequence (rollout routing replay; needs --enable-return-routed-experts):
+    # meta_info["routed_experts"] covers positions [routed_experts_start_len, seqlen - 1).
+    return_routed_experts: bool | list[bool] = False
+    routed_experts_start_len: int | list[int] = 0
     log_metrics: bool = True
     # Upstream's other fields (UNSUPPORTED_GENERATE_FIELDS: refused when set;
     # IGNORED_GENERATE_FIELDS: accepted), so that code building upstream's request runs here.
@@ -114,7 +120,6 @@ class GenerateReqInput:
     modalities: Any = None
     token_ids_logprob: Any = None
     return_hidden_states: Any = False
-    return_routed_experts: Any = False
     session_params: Any = None
     lora_id: Any = None
     custom_logit_processor: Any = None
@@ -136,7 +141,6 @@ class GenerateReqInput:
     disagg_prefill_dp_rank: Any = None
     data_parallel_rank: Any = None
     priority: Any = None
-    routed_experts_start_len: Any = 0
     conversation_id: Any = None
     extra_key: Any = None
     routing_key: Any = None
@@ -230,6 +234,8 @@ class GenerateReqInput:
             entropy_mode=_entry(self.entropy_mode, i),
             entropy_top_k=_entry(self.entropy_top_k, i),
             lora_path=_entry(self.lora_path, i),
+            return_routed_experts=_entry(self.return_routed_experts, i),
+            routed_experts_start_len=_entry(self.routed_experts_start_len, i),
             log_metrics=self.log_metrics,
         )
 
@@ -259,6 +265,8 @@ class TokenizedGenerateReqInput:
     entropy_mode: str | None = None  # None: the server's --entropy-mode
     entropy_top_k: int | None = None  # None: the server's --entropy-top-k
     lora_path: str | None = None  # LoRA adapter name; None: the base model
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0  # first position whose routing is returned
 
 
 @dataclass
@@ -298,6 +306,10 @@ class BatchTokenIDOutput:
     # output-token positions (``start`` >= the tokens sent before). None: no version info.
     weight_version_spans: list[list[list]] | None = None
     weight_version: str | None = None  # the scheduler's current label when this was sent
+    # Per rid, in its final message when it asked for them: the experts of each MoE layer for
+    # positions [routed_experts_start_len, kv_len), base64 of int32 [rows, layers, top_k];
+    # None otherwise. None for the whole list when no rid of the message has them.
+    routed_experts: list[str | None] | None = None
 
 
 @dataclass
@@ -323,6 +335,7 @@ class BatchStrOutput:
     output_token_entropy_val: list[list[float]] | None = None
     weight_version_spans: list[list[list]] | None = None  # as in BatchTokenIDOutput
     weight_version: str | None = None
+    routed_experts: list[str | None] | None = None  # as in BatchTokenIDOutput
 
 
 # ---------------------------------------------------------------------------------------------

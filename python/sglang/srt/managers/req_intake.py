@@ -35,6 +35,8 @@ def make_req(recv: TokenizedGenerateReqInput, model_config: ModelConfig, random_
         entropy_mode=recv.entropy_mode,
         entropy_top_k=recv.entropy_top_k,
         lora_name=recv.lora_path,
+        return_routed_experts=recv.return_routed_experts,
+        routed_experts_start_len=recv.routed_experts_start_len,
     )
 
 

@@ -216,6 +216,13 @@ class ReqKV:
         reserved = torch.tensor(req.decode_slots, dtype=torch.int64, device=held.device)
         return torch.cat([held, reserved])
 
+    def computed_slots(self, req: Req) -> torch.Tensor:
+        """The slots of ``req``'s first ``kv_len`` tokens (prompt + output with KV), in order
+        (a copy; empty when it holds no row)."""
+        if req.req_pool_idx is None:
+            return torch.empty(0, dtype=torch.int64)
+        return self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].clone()
+
     def release(self, req: Req) -> None:
         """Give back everything ``req`` holds; its computed KV goes to the prefix cache.
 

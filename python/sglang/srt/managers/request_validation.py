@@ -54,6 +54,7 @@ class RequestLimits:
     max_top_logprobs_num: int = 128  # --max-top-logprobs-num
     max_stop_strings: int = 64  # --max-stop-strings
     max_stop_str_len: int = 512  # --max-stop-str-len (characters)
+    routed_experts: bool = False  # --enable-return-routed-experts
 
     @classmethod
     def from_server_args(cls, server_args: ServerArgs, scheduler_info: dict) -> RequestLimits:
@@ -68,6 +69,7 @@ class RequestLimits:
             max_top_logprobs_num=server_args.max_top_logprobs_num,
             max_stop_strings=server_args.max_stop_strings,
             max_stop_str_len=server_args.max_stop_str_len,
+            routed_experts=server_args.enable_return_routed_experts,
         )
 
 
@@ -136,6 +138,10 @@ def validate_request(
     entropy_mode = _one(obj.entropy_mode, "entropy_mode", (str, type(None)))
     entropy_top_k = _one(obj.entropy_top_k, "entropy_top_k", (int, type(None)))
     _check_entropy_args(entropy_mode, entropy_top_k)
+    return_routed_experts = _one(obj.return_routed_experts, "return_routed_experts", bool)
+    routed_start = _one(obj.routed_experts_start_len, "routed_experts_start_len", int)
+    if return_routed_experts:
+        _check_routed_experts_args(routed_start, prompt_len, limits.routed_experts)
     return TokenizedGenerateReqInput(
         rid=_one(obj.rid, "rid", str),
         input_text=_one(obj.text, "text", (str, type(None))),
@@ -150,7 +156,22 @@ def validate_request(
         entropy_mode=entropy_mode,
         entropy_top_k=entropy_top_k,
         lora_path=_one(obj.lora_path, "lora_path", (str, type(None))),
+        return_routed_experts=return_routed_experts,
+        routed_experts_start_len=routed_start if return_routed_experts else 0,
     )
+
+
+def _check_routed_experts_args(start_len: int, prompt_len: int, enabled: bool) -> None:
+    if not enabled:
+        raise ValueError(
+            "return_routed_experts needs a server started with --enable-return-routed-experts "
+            "(on a mixture-of-experts model)"
+        )
+    if isinstance(start_len, bool) or not 0 <= start_len <= prompt_len:
+        raise ValueError(
+            f"routed_experts_start_len must be in [0, {prompt_len}] (the prompt's length), "
+            f"got {start_len!r}"
+        )
 
 
 def _check_entropy_args(mode: Any, top_k: Any) -> None:
@@ -217,6 +238,9 @@ def check_generate_input(obj: GenerateReqInput, limits: RequestLimits) -> None:
     def top_num(param: str, value: Any) -> None:
         check_int(param, value, 0, top_max)
 
+    def routed_start_len(param: str, value: Any) -> None:
+        check_int(param, value, 0, limits.context_len)
+
     def entropy_mode(param: str, value: Any) -> None:
         if value is not None:
             check_choice(param, value, tuple(ENTROPY_MODES))
@@ -233,7 +257,8 @@ def check_generate_input(obj: GenerateReqInput, limits: RequestLimits) -> None:
         ("return_logprob", check_bool), ("return_entropy", check_bool),
         ("logprob_start_len", start_len), ("top_logprobs_num", top_num),
         ("entropy_mode", entropy_mode), ("entropy_top_k", entropy_top_k),
-        ("lora_path", lora_path),
+        ("lora_path", lora_path), ("return_routed_experts", check_bool),
+        ("routed_experts_start_len", routed_start_len),
     )
     for name, check in checks:
         _check_per_request(name, getattr(obj, name), num_prompts, is_batch, check)

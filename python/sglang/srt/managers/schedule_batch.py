@@ -70,6 +70,8 @@ class Req:
         entropy_mode: str | None = None,
         entropy_top_k: int | None = None,
         lora_name: str | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> None:
         self.rid = rid
         # The LoRA adapter (None: the base model), and the prefix-cache namespace of the
@@ -88,6 +90,11 @@ class Req:
         # The request's entropy definition; None takes the server's --entropy-mode/-top-k.
         self.entropy_mode = entropy_mode
         self.entropy_top_k = entropy_top_k
+        # MoE routing of positions [routed_experts_start_len, kv_len), read when it finishes:
+        # base64 of int32 [rows, layers, top_k] (RoutedExpertsRecorder); None until then.
+        self.return_routed_experts = return_routed_experts
+        self.routed_experts_start_len = routed_experts_start_len
+        self.routed_experts: str | None = None
         # Longest stop string: in bytes (an upper bound on its tokens, for the tail decoded by
         # check_finished) and in characters (what the detokenizer holds back while streaming).
         self.stop_str_max_tokens = max(

@@ -25,6 +25,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
+
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.lora.control import LoRAControl
 from sglang.srt.lora.scheduling import admissible, unpaused
@@ -88,6 +90,8 @@ class ModelOwner(HasModel, MemoryBackend, Protocol):
     """The ModelRunner as the scheduler sees it: the live model and its memory."""
 
     def cuda_graph_state(self) -> dict[str, Any]: ...
+
+    def routed_experts(self, slots: torch.Tensor) -> str: ...
 
 
 class Scheduler:
@@ -482,6 +486,12 @@ class Scheduler:
         for req in reqs:
             if reason is not None and not req.finished:
                 req.finished_reason = dict(reason)
+            if req.return_routed_experts:  # read before the slots are released
+                # Positions [start, seqlen - 1): the tokens fed to the model (a prompt-only
+                # request's last prompt token fed a sample that was dropped).
+                end = req.prompt_len + len(req.output_ids) - 1
+                slots = self.kv.computed_slots(req)[req.routed_experts_start_len : end]
+                req.routed_experts = self.runner.routed_experts(slots)
             self.kv.release(req)
             req.status = ReqStatus.FINISHED
         gone = {id(r) for r in reqs}

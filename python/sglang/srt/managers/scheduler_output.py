@@ -161,6 +161,8 @@ class OutputProcessor:
             msg.output_token_entropy_val = [
                 r.output_token_entropy_val[r.num_sent_ids :] for r in reqs
             ]
+        if any(r.routed_experts is not None for r in reqs):
+            msg.routed_experts = [r.routed_experts for r in reqs]
         for r in reqs:
             r.num_sent_ids = len(r.output_ids)
         self.send(msg)

@@ -49,6 +49,8 @@ class ReqState:
         self.return_logprob = req.return_logprob
         self.top_logprobs_num = req.top_logprobs_num
         self.return_entropy = req.return_entropy
+        self.routed_experts_start_len = req.routed_experts_start_len
+        self.routed_experts: str | None = None  # from the final message, when asked
         self.decode_texts = decode_texts
         self.has_text = has_text
         self.think_end_id = think_end_id
@@ -88,6 +90,8 @@ class ReqState:
             self.logprobs[key].extend(new_rows)
         if self.return_entropy and msg.output_token_entropy_val is not None:
             self.entropy.extend(msg.output_token_entropy_val[i])
+        if msg.routed_experts is not None and msg.routed_experts[i] is not None:
+            self.routed_experts = msg.routed_experts[i]
         self._add_weight_spans(msg, i)
         reason = msg.finished_reasons[i]
         if reason is not None:
@@ -197,6 +201,9 @@ class ReqState:
             meta["output_token_logprobs_length"] = len(self.logprobs["output_token_logprobs"])
         if self.return_entropy:
             meta["output_token_entropy"] = list(self.entropy)
+        if self.routed_experts is not None:
+            meta["routed_experts"] = self.routed_experts
+            meta["routed_experts_start_len"] = self.routed_experts_start_len
         out: dict[str, Any] = {"text": self.text} if self.has_text else {}
         out["output_ids"] = list(self.output_ids)
         out["meta_info"] = meta

@@ -53,6 +53,9 @@ class ForwardBatch:
     # [B] the LoRA adapter of each request (None: the base model); None when no request of
     # the batch uses one. The LoRAManager maps them to slots (sglang.srt.lora).
     lora_names: list[str | None] | None = None
+    # Set by the model runner when it records routed experts: every token runs every layer
+    # (no last-layer shortcut, see logits_processor.last_token_rows).
+    records_routing: bool = False
     # Set by the attention backend's init_forward_metadata(); opaque to everyone else.
     attn_metadata: Any = None
     attn_backend: AttentionBackend | None = None

@@ -11,6 +11,7 @@ scheduler, taking the same decisions, finds the same slots free.
 
 from __future__ import annotations
 
+import base64
 import logging
 import pickle
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from sglang.srt.layers.cpu_prepack import (
 )
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from sglang.srt.layers.moe import RoutedExpertsRecorder, SparseMoE
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 from sglang.srt.layers.sampler import get_logsumexp, use_cpu_kernels
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
@@ -198,6 +200,8 @@ class ModelRunner:
             if not enable_batch_invariant_mode(self.model, kernels):
                 raise RuntimeError("deterministic mode: the model has no switchable linear layer")
         self.attn_backend = get_attention_backend_class(backend)()
+        # --enable-return-routed-experts: each token's experts per MoE layer, per KV slot.
+        self.routing_recorder = self._init_routing_recorder(model_config)
         self._build_cpu_kernels(backend)
         # oneDNN-packed copies of the linear weights (CPU; empty when off), dropped on release.
         self.weight_packers = self._enable_prepack()
@@ -507,7 +511,48 @@ class ModelRunner:
             self._malloc_cap.step()
         if self.cpu_decode_loop is not None and self.cpu_decode_loop.applies(forward_batch):
             return self.cpu_decode_loop.forward(forward_batch)
-        return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        recorder = self.routing_recorder
+        if recorder is None:
+            return self.model.forward(
+                forward_batch.input_ids, forward_batch.positions, forward_batch
+            )
+        forward_batch.records_routing = True
+        recorder.begin(forward_batch.num_tokens, forward_batch.input_ids.device)
+        out = self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        recorder.commit(forward_batch.out_cache_loc)
+        return out
+
+    def _init_routing_recorder(self, model_config: ModelConfig) -> RoutedExpertsRecorder | None:
+        """The recorder of --enable-return-routed-experts, attached to every MoE block; None
+        when the flag is off. ValueError for a model without MoE blocks."""
+        if not self.server_args.enable_return_routed_experts:
+            return None
+        blocks = [m for m in self.model.modules() if isinstance(m, SparseMoE)]
+        if not blocks:
+            raise ValueError(
+                "--enable-return-routed-experts needs a mixture-of-experts model; "
+                f"{type(self.model).__name__} has no MoE layers"
+            )
+        num_slots = self.token_to_kv_pool.size + self.page_size
+        recorder = RoutedExpertsRecorder(
+            num_slots, model_config.num_hidden_layers, blocks[0].top_k
+        )
+        for block in blocks:
+            block.recorder = recorder
+        logger.info(
+            "Recording routed experts: %.1f MiB for %d KV slots",
+            recorder.host.numel() * 4 / 2**20,
+            num_slots,
+        )
+        return recorder
+
+    def routed_experts(self, slots: torch.Tensor) -> str:
+        """The recorded experts of the tokens in KV ``slots`` (in order), as upstream returns
+        them: base64 of int32 ``[len(slots), num_hidden_layers, top_k]``. RuntimeError when
+        the server does not record them (the request validation refuses such requests)."""
+        if self.routing_recorder is None:
+            raise RuntimeError("routed experts are not recorded (--enable-return-routed-experts)")
+        return base64.b64encode(self.routing_recorder.read(slots)).decode("ascii")
 
     def cuda_graph_state(self) -> dict[str, Any]:
         """For get_internal_state: the captured decode batch sizes (empty while released or

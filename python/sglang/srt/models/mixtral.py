@@ -36,6 +36,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
             config.num_experts_per_tok,
             renormalize=True,
             make_expert=lambda: LlamaMLP(config, arch, reduce_results=False),
+            layer_id=layer_id,
         )
 
     def _map_weight_name(self, name: str) -> tuple[str, Hashable | None]:

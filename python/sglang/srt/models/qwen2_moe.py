@@ -56,6 +56,7 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
             ),
             shared_expert=shared,
             shared_expert_gate=shared is not None,
+            layer_id=layer_id,
         )
 
     @classmethod

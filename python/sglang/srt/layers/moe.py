@@ -1,6 +1,6 @@
 """Sparse mixture-of-experts block: a router picks ``top_k`` experts per token, the block's
 output is the experts' outputs weighted by the router's probabilities (Qwen2-MoE, Qwen3-MoE,
-Mixtral; models/qwen_moe.py and models/mixtral.py).
+Mixtral: models/qwen2_moe.py, qwen3_moe.py and mixtral.py).
 
 Each expert is an ordinary gated MLP module (its gate/up product column-parallel, its down
 product row-parallel without the all-reduce), so experts load, split over tensor-parallel ranks,
@@ -145,10 +145,11 @@ class RoutedExpertsRecorder:
     request ends (rollout routing replay: a trainer replays these choices).
 
     ``host[slot, layer, j]`` is the ``j``-th expert (the router's order) of the token whose KV
-    is in ``slot``, at decoder layer ``layer``; -1 in dense layers. A forward pass
-    :meth:`begin` s a step, each MoE block :meth:`record` s its choices, and :meth:`commit`
-    writes them to the step's slots (overwriting whatever an earlier token of that slot left).
-    Owned by the model runner; only its forward pass writes.
+    is in ``slot``, at decoder layer ``layer``; -1 in dense layers. Around each forward pass
+    the model runner calls :meth:`begin` and :meth:`commit`; in between, each MoE block
+    calls :meth:`record`. The commit writes the pass's choices to its tokens' slots,
+    overwriting whatever an earlier token of a reused slot left. Owned by the model runner;
+    only its forward pass writes.
     """
 
     def __init__(self, num_slots: int, num_layers: int, top_k: int) -> None:

@@ -70,6 +70,7 @@ IGNORED_GENERATE_FIELDS = (
 # Fields upstream lets a client send as null, meaning the default.
 _NULLABLE_DEFAULTS: dict[str, Any] = {
     "return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0,
+    "return_routed_experts": False, "routed_experts_start_len": 0,
 }
 
 

@@ -512,14 +512,12 @@ class ModelRunner:
         if self.cpu_decode_loop is not None and self.cpu_decode_loop.applies(forward_batch):
             return self.cpu_decode_loop.forward(forward_batch)
         recorder = self.routing_recorder
-        if recorder is None:
-            return self.model.forward(
-                forward_batch.input_ids, forward_batch.positions, forward_batch
-            )
-        forward_batch.records_routing = True
-        recorder.begin(forward_batch.num_tokens, forward_batch.input_ids.device)
+        if recorder is not None:
+            forward_batch.records_routing = True
+            recorder.begin(forward_batch.num_tokens, forward_batch.input_ids.device)
         out = self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
-        recorder.commit(forward_batch.out_cache_loc)
+        if recorder is not None:
+            recorder.commit(forward_batch.out_cache_loc)
         return out
 
     def _init_routing_recorder(self, model_config: ModelConfig) -> RoutedExpertsRecorder | None:

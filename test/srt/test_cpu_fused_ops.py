@@ -15,6 +15,7 @@ from test_models import ARCHS, PROMPTS, make_hf_model
 from sglang.srt.layers import cpu_fused_ops
 from sglang.srt.layers.cpu_extension import platform_supported
 from sglang.srt.layers.layernorm import rms_norm
+from sglang.srt.layers.moe import has_sparse_moe
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, _inv_freq_for
 from sglang.srt.models.registry import get_model_class
 
@@ -241,8 +242,9 @@ def enable_fused(model: torch.nn.Module, builder: BatchBuilder) -> int:
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_model_on_fused_ops_matches_hf(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prefill and decode steps of every architecture (Qwen3: q/k norms; Qwen2: biases) with
-    the fused kernels on, against transformers at the model tests' tolerance."""
+    """Prefill and decode steps of every architecture (Qwen3: q/k norms; Qwen2: biases; the
+    MoE models: their experts) with the fused kernels on, against transformers at the model
+    tests' tolerance."""
     hf_model = make_hf_model(arch)
     model = load_from_hf(get_model_class([ARCHS[arch][1]]), hf_model)
     builder = BatchBuilder(model.config)
@@ -270,7 +272,11 @@ def test_model_on_fused_ops_matches_hf(arch: str, monkeypatch: pytest.MonkeyPatc
         check(builder.run(model, builder.decode([(rid, s[-1]) for rid, s in seqs.items()])))
     layers = model.config.num_hidden_layers
     assert calls["store_kv"] == 4 * layers and calls["rope"] == 4 * layers
-    assert calls["silu_and_mul"] == 4 * layers and calls["add_rms_norm"] >= 4 * (2 * layers + 1)
+    assert calls["add_rms_norm"] >= 4 * (2 * layers + 1)
+    if has_sparse_moe(model):  # one call per expert run (and shared expert) in a step
+        assert calls["silu_and_mul"] > 4 * layers
+    else:
+        assert calls["silu_and_mul"] == 4 * layers
 
 
 def test_model_runner_switches_the_kernels(tiny_model_dir: Callable[..., Path]) -> None:

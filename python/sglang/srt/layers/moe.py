@@ -112,23 +112,28 @@ class SparseMoE(nn.Module):
         """Sum of ``weights * expert(x)`` over each token's experts, in the router's order.
 
         The (token, rank) pairs are numbered ``token * top_k + rank``; a stable sort of all
-        pairs by expert groups each expert's rows, so every expert runs one product on all of
-        its rows.
+        pairs by expert groups each expert's rows, so every expert runs one product on a
+        contiguous slice of the gathered inputs. The inputs are gathered and the outputs put
+        back in one op each: per expert only its products and the weighting remain (on CPU, a
+        decode step's few rows per expert made the per-expert ops as costly as the products).
         """
         num_tokens = x.shape[0]
         flat_ids = expert_ids.reshape(-1)
         pairs = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        contributions = x.new_empty(num_tokens * self.top_k, x.shape[-1])
-        flat_weights = weights.reshape(-1, 1)
+        grouped_x = x.index_select(0, pairs // self.top_k)
+        grouped_w = weights.reshape(-1, 1).index_select(0, pairs)
+        grouped_out = torch.empty_like(grouped_x)
         start = 0
         for expert, count in enumerate(counts):
             if not count:
                 continue
-            rows = pairs[start : start + count]
-            start += count
-            expert_out = self.experts[expert](x.index_select(0, rows // self.top_k))
-            contributions[rows] = expert_out * flat_weights.index_select(0, rows)
+            end = start + count
+            expert_out = self.experts[expert](grouped_x[start:end])
+            grouped_out[start:end] = expert_out * grouped_w[start:end]
+            start = end
+        contributions = torch.empty_like(grouped_out)
+        contributions[pairs] = grouped_out
         per_token = contributions.view(num_tokens, self.top_k, -1)
         out = per_token[:, 0]
         for rank in range(1, self.top_k):

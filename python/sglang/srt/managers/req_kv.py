@@ -232,7 +232,7 @@ class ReqKV:
         """
         if req.req_pool_idx is None:
             return
-        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].clone()
+        kv = self.computed_slots(req)
         if req.kv_generation != self.weights.generation:
             self.allocator.free(kv[req.prefix_len :])
         else:

@@ -167,7 +167,7 @@ def _check_routed_experts_args(start_len: int, prompt_len: int, enabled: bool) -
             "return_routed_experts needs a server started with --enable-return-routed-experts "
             "(on a mixture-of-experts model)"
         )
-    if isinstance(start_len, bool) or not 0 <= start_len <= prompt_len:
+    if not 0 <= start_len <= prompt_len:  # its type was checked by check_generate_input
         raise ValueError(
             f"routed_experts_start_len must be in [0, {prompt_len}] (the prompt's length), "
             f"got {start_len!r}"

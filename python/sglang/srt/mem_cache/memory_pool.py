@@ -91,9 +91,14 @@ class MHATokenToKVPool:
         self.v_buffer: list[torch.Tensor] = []
         self.resume()
 
+    @property
+    def num_slots(self) -> int:
+        """Slots of each layer's buffers: ``size`` plus the reserved first page."""
+        return self.size + self.page_size
+
     def resume(self) -> None:
         """(Re)allocate the buffers; their slots hold no KV (after release: all slots free)."""
-        shape = (self.size + self.page_size, self.head_num, self.head_dim)
+        shape = (self.num_slots, self.head_num, self.head_dim)
         # torch.empty leaves the pages untouched, so the unused part of a large pool costs no
         # resident memory. Only the reserved first page is ever read before being written (it
         # pads gathers), so only it is zeroed.

@@ -531,7 +531,7 @@ class ModelRunner:
                 "--enable-return-routed-experts needs a mixture-of-experts model; "
                 f"{type(self.model).__name__} has no MoE layers"
             )
-        num_slots = self.token_to_kv_pool.size + self.page_size
+        num_slots = self.token_to_kv_pool.num_slots
         recorder = RoutedExpertsRecorder(
             num_slots, model_config.num_hidden_layers, blocks[0].top_k
         )

@@ -223,7 +223,8 @@ def pack_now(model: nn.Module) -> int:
     forward pass; returns the bytes the packed copies take.
 
     Modules hold their weight as ``weight``; the logits processor is given the LM head's, which
-    is the ``lm_head`` (or, tied, the embedding) weight of the model.
+    is the ``lm_head`` (or, tied, the embedding) weight of the model, or that weight's float32
+    copy where the processor has one (``fp32_head``, --enable-fp32-lm-head).
     """
     head = getattr(model, "lm_head", None)
     total = 0
@@ -234,6 +235,9 @@ def pack_now(model: nn.Module) -> int:
         weight = getattr(module, "weight", None)
         if weight is None and head is not None:
             weight = head.weight
+            fp32_head = getattr(module, "fp32_head", None)
+            if fp32_head is not None:
+                weight = fp32_head.weight(weight)
         if isinstance(weight, torch.Tensor):
             packer.packed_weight(weight)
             total += packer.nbytes

@@ -3,6 +3,10 @@
 With tensor parallelism each rank multiplies by its vocabulary slice of the LM head
 (layers/vocab_embedding.py) and the slices are all-gathered (a concatenation: exact) and the
 padding cut, so every rank samples from the same full-vocabulary logits.
+
+With ``--enable-fp32-lm-head`` (a :class:`Float32Head` set on the processor) a bfloat16 or
+float16 model's head runs in float32: the hidden states and the head's weights are widened
+(exactly) and the float32 product is never rounded to the model dtype.
 """
 
 from __future__ import annotations
@@ -22,6 +26,50 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 # Prompt-logprob rows are processed in chunks so the float32 [rows, vocab] block stays below
 # about 2**25 elements (128 MiB) whatever the prompt length.
 _LOGPROB_CHUNK_ELEMENTS = 1 << 25
+
+
+class Float32Head:
+    """The float32 values of the LM head's weights, for ``--enable-fp32-lm-head``.
+
+    With ``cache`` (CPU) one float32 copy is kept and made again when the weight's storage,
+    shape or version changes (a weight update copies into the parameter in place, which bumps
+    its version; a release swaps its storage), so the copy never outlives the values it was
+    made from; the model's own weight stays in its dtype for loading and
+    ``get_weights_by_name``. Without it (CUDA) the weight is widened at every call, which costs
+    no memory between steps and stays inside a captured graph.
+    """
+
+    def __init__(self, cache: bool) -> None:
+        self.cache = cache
+        self._key: tuple[int, int, tuple[int, ...]] | None = None
+        self._copy: torch.Tensor | None = None
+
+    def weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` in float32 (itself when it already is)."""
+        if weight.dtype == torch.float32:
+            return weight
+        # An inference tensor has no version counter to key a copy on: widen it each time.
+        if not self.cache or weight.is_inference():
+            return weight.float()
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        if key != self._key or self._copy is None:
+            self._copy = None  # free the old copy before making the new one
+            # Not an inference tensor even when made inside a forward pass: the CPU's packed
+            # product takes only weights with a version counter, and the copy must be
+            # multiplied the same way whenever it was made.
+            with torch.inference_mode(False):
+                self._copy = weight.detach().float()
+            self._key = key
+        return self._copy
+
+    def clear(self) -> None:
+        """Drop the cached copy (made again by the next call)."""
+        self._key, self._copy = None, None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cached copy (0 when there is none)."""
+        return 0 if self._copy is None else self._copy.numel() * 4
 
 
 @dataclass
@@ -81,9 +129,15 @@ class LogitsProcessor(nn.Module):
         # log Z of prompt-logprob rows: the model runner sets the sampling backend's own
         # (get_logsumexp), so that prompt logprobs equal decode logprobs bit for bit.
         self.logsumexp_fn: Callable[[torch.Tensor], torch.Tensor] = row_logsumexp
+        # --enable-fp32-lm-head: the head's product in float32 (None: in the model dtype).
+        self.fp32_head: Float32Head | None = None
 
     def _logits(self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        # The matmul runs in the model dtype (as HF does); sampling math is float32 from here on.
+        # The matmul runs in the model dtype (as HF does) unless the head is float32; sampling
+        # math is float32 from here on.
+        if self.fp32_head is not None:
+            hidden_states = hidden_states.float()
+            lm_head_weight = self.fp32_head.weight(lm_head_weight)
         logits = self.linear_fn(hidden_states, lm_head_weight)
         group = get_tp_group()
         if group.world_size > 1:  # each rank has a vocabulary slice: gather, drop the padding

@@ -40,7 +40,11 @@ from sglang.srt.layers.cpu_prepack import (
     prepack_supported,
 )
 from sglang.srt.layers.layernorm import RMSNorm
-from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from sglang.srt.layers.logits_processor import (
+    Float32Head,
+    LogitsProcessor,
+    LogitsProcessorOutput,
+)
 from sglang.srt.layers.moe import RoutedExpertsRecorder, SparseMoE
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 from sglang.srt.layers.sampler import get_logsumexp, use_cpu_kernels
@@ -203,6 +207,9 @@ class ModelRunner:
         # --enable-return-routed-experts: each token's experts per MoE layer, per KV slot.
         self.routing_recorder = self._init_routing_recorder(model_config)
         self._build_cpu_kernels(backend)
+        # --enable-fp32-lm-head: the LM head's product in float32 (None when off), set before
+        # packing so that the CPU's packed head is its float32 copy.
+        self.fp32_head = self._enable_fp32_lm_head()
         # oneDNN-packed copies of the linear weights (CPU; empty when off), dropped on release.
         self.weight_packers = self._enable_prepack()
         self._enable_cpu_fused_ops()
@@ -420,6 +427,29 @@ class ModelRunner:
         logger.info("CPU decode loop: decode steps call the C++ kernels from one loop")
         return LlamaCpuDecodeLoop(self.model, self.token_to_kv_pool)
 
+    def _enable_fp32_lm_head(self) -> Float32Head | None:
+        """A :class:`Float32Head` on the model's logits processor when --enable-fp32-lm-head
+        asks for one and the model is not float32 already; its float32 copy of the head's
+        weights (CPU) is made now, so that its size is logged and the first step does not pay
+        for it."""
+        if not self.server_args.enable_fp32_lm_head or self.dtype == torch.float32:
+            return None
+        cache = torch.device(self.device).type == "cpu"
+        head = Float32Head(cache)
+        processors = [m for m in self.model.modules() if isinstance(m, LogitsProcessor)]
+        for processor in processors:
+            processor.fp32_head = head
+        weight = getattr(getattr(self.model, "lm_head", None), "weight", None)
+        if cache and isinstance(weight, torch.Tensor):
+            head.weight(weight)
+        logger.info(
+            "--enable-fp32-lm-head: the LM head computes in float32 (%s)",
+            f"a float32 copy of its weights, {head.nbytes / 2**20:.1f} MiB"
+            if cache
+            else "its weights widened at each step",
+        )
+        return head
+
     def _prepack_wanted(self) -> bool:
         """Packed weight copies (with the small-batch and brgemm kernels) serve CPU runs, not
         in deterministic mode nor with --disable-cpu-weight-prepack."""
@@ -459,7 +489,9 @@ class ModelRunner:
             len(packers),
             sum(p.blocked for p in packers),
             nbytes / 2**20,
-            "float32" if upcast else str(self.dtype).removeprefix("torch."),
+            " and ".join(sorted({
+                str(p.packed_dtype).removeprefix("torch.") for p in packers if p.packed_dtype
+            })) or "no",
         )
         return packers
 
@@ -597,6 +629,8 @@ class ModelRunner:
         loaders stay); nothing runs until :meth:`resume_weights`."""
         for packer in self.weight_packers:
             packer.clear()
+        if self.fp32_head is not None:
+            self.fp32_head.clear()
         for name, param in self.model.named_parameters():
             self._released_shapes[name] = param.shape
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)

@@ -262,3 +262,51 @@ def test_start_and_stop_profile(server: ServerProcess, tmp_path: Path) -> None:
                          ({"activities": ["MEM"]}, "activities"), ({"num_steps": 0}, "num_steps")]:
         assert reason in _error(_post(server, "/start_profile", body), 400)
     assert httpx.get(server.url + "/start_profile", timeout=30).status_code == 405
+
+
+@pytest.fixture(scope="module")
+def truncating_server(tiny_model_dir: Callable[..., Path]) -> Iterator[ServerProcess]:
+    model = tiny_model_dir("llama", max_position_embeddings=512)
+    with ServerProcess(model, "--skip-server-warmup", "--allow-auto-truncate") as srv:
+        yield srv
+
+
+def test_auto_truncate_cuts_the_prompt_and_the_budget(
+    server: ServerProcess, truncating_server: ServerProcess
+) -> None:
+    """--allow-auto-truncate (upstream's): what the strict server refuses is served, the prompt
+    cut to its first tokens and the budget to what the 512-token context leaves."""
+    ids = [5 + i % 300 for i in range(700)]
+    long_body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
+    assert "longer than the model's context length" in _error(
+        _post(server, "/generate", long_body), 400)
+    out = _post(truncating_server, "/generate", long_body)
+    assert out.status_code == 200, out.text
+    meta = out.json()["meta_info"]
+    # 511 prompt tokens (the longest prompt that leaves room for a token), then 1 new one.
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (511, 1)
+    assert meta["finish_reason"] == {"type": "length", "length": 1}
+    # The same as the prompt's first 511 tokens (whose default budget is clamped to 1).
+    head = _post(server, "/generate",
+                 {"input_ids": ids[:511], "sampling_params": {"temperature": 0}})
+    assert head.json()["meta_info"]["completion_tokens"] == 1
+    assert out.json()["output_ids"] == head.json()["output_ids"]
+    # An explicit budget past the context is lowered, not refused.
+    body = {"input_ids": ids[:500], "sampling_params": {**GREEDY, "max_new_tokens": 600}}
+    assert "maximum context length" in _error(_post(server, "/generate", body), 400)
+    out = _post(truncating_server, "/generate", body)
+    assert out.status_code == 200, out.text
+    assert out.json()["meta_info"]["completion_tokens"] == 12
+    # The OpenAI endpoints take the same rule.
+    completion = _post(truncating_server, "/v1/completions",
+                       {"prompt": ids, "max_tokens": 600, "temperature": 0})
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["usage"]["prompt_tokens"] == 511
+    assert completion.json()["usage"]["completion_tokens"] == 1
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 600}
+    assert _post(truncating_server, "/v1/chat/completions", chat).status_code == 200
+    info = httpx.get(truncating_server.url + "/get_server_info", timeout=30).json()
+    assert info["allow_auto_truncate"] is True
+    # Everything else is checked as before: a bad token id is still a 400.
+    assert "out of range" in _error(_post(truncating_server, "/generate", {
+        "input_ids": [10**6] * 600, "sampling_params": GREEDY}), 400)

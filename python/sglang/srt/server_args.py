@@ -95,6 +95,13 @@ class ServerArgs(UpstreamOnlyArgs):
     context_length: int | None = _arg(
         None, "Maximum sequence length (prompt + output). Defaults to the model config's."
     )
+    enable_fp32_lm_head: bool = _arg(
+        False,
+        "Compute the LM head (the logits) in float32 in a bfloat16 or float16 model: the last "
+        "hidden states and the head's weights are widened to float32, so logits, logprobs and "
+        "entropies are not rounded to the model dtype. On CPU a float32 copy of the head's "
+        "weights is kept (its size is logged); elsewhere they are widened at each step.",
+    )
     served_model_name: str = _arg(
         None, "Model name reported by /v1/models and in responses; defaults to --model-path."
     )
@@ -403,6 +410,12 @@ class ServerArgs(UpstreamOnlyArgs):
     max_top_logprobs_num: int = _arg(128, "Largest top_logprobs_num a request may ask for.")
     max_stop_strings: int = _arg(64, "Most stop strings per request.")
     max_stop_str_len: int = _arg(512, "Longest stop string, in characters.")
+    allow_auto_truncate: bool = _arg(
+        False,
+        "Cut a prompt that does not fit the context to its first tokens (the longest prompt "
+        "the server takes) and lower a max_new_tokens that does not fit to what the context "
+        "leaves, with a logged warning, instead of refusing the request (400).",
+    )
     allowed_hosts: str | None = _arg(
         None,
         "Comma-separated Host header names the HTTP server answers (against DNS rebinding); "

@@ -65,7 +65,6 @@ class UpstreamOnlyArgs:
     quantization: str | None = None
     quantization_param_path: str | None = None
     kv_cache_dtype: str = "auto"
-    enable_fp32_lm_head: bool = False
     modelopt_quant: Any = None
     modelopt_checkpoint_restore_path: str | None = None
     modelopt_checkpoint_save_path: str | None = None
@@ -275,7 +274,6 @@ class UpstreamOnlyArgs:
     enable_memory_saver: bool = False
     enable_weights_cpu_backup: bool = False
     enable_draft_weights_cpu_backup: bool = False
-    allow_auto_truncate: bool = False
     enable_custom_logit_processor: bool = False
     flashinfer_mla_disable_ragged: bool = False
     disable_shared_experts_fusion: bool = False

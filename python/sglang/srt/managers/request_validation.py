@@ -11,6 +11,7 @@ Both raise :class:`~sglang.srt.managers.field_checks.InvalidRequestError` (a Val
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,8 @@ from sglang.srt.managers.sampling_validation import (
 from sglang.srt.sampling.sampling_batch_info import ENTROPY_MODES
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
 
 # Longest request id accepted (uuid4 hex ids have 32 characters).
 MAX_RID_LEN = 512
@@ -55,6 +58,7 @@ class RequestLimits:
     max_stop_strings: int = 64  # --max-stop-strings
     max_stop_str_len: int = 512  # --max-stop-str-len (characters)
     routed_experts: bool = False  # --enable-return-routed-experts
+    auto_truncate: bool = False  # --allow-auto-truncate
 
     @classmethod
     def from_server_args(cls, server_args: ServerArgs, scheduler_info: dict) -> RequestLimits:
@@ -70,6 +74,7 @@ class RequestLimits:
             max_stop_strings=server_args.max_stop_strings,
             max_stop_str_len=server_args.max_stop_str_len,
             routed_experts=server_args.enable_return_routed_experts,
+            auto_truncate=server_args.allow_auto_truncate,
         )
 
 
@@ -85,9 +90,11 @@ def validate_request(
 ) -> TokenizedGenerateReqInput:
     """One tokenized request, checked against ``limits``; raises ValueError naming the first
     problem. As upstream, an explicit ``max_new_tokens`` that does not fit the context with the
-    prompt (``prompt + max_new_tokens >= context``) is refused; the default one is clamped."""
-    prompt_len = len(input_ids)
-    if prompt_len == 0:
+    prompt (``prompt + max_new_tokens >= context``) is refused; the default one is clamped.
+    With ``limits.auto_truncate`` neither is refused: a prompt over ``max_req_input_len`` keeps
+    its first ``max_req_input_len`` tokens, and any budget is clamped to what the context
+    leaves (each logged as a warning)."""
+    if not input_ids:
         raise ValueError("The input prompt is empty (0 tokens)")
     for token_id in input_ids:
         if isinstance(token_id, bool) or not isinstance(token_id, int):
@@ -96,6 +103,15 @@ def validate_request(
             raise ValueError(
                 f"Token id {token_id} in input_ids is out of range [0, {limits.vocab_size})"
             )
+    if limits.auto_truncate and len(input_ids) > limits.max_req_input_len:
+        logger.warning(
+            "The input (%d tokens) does not fit the context (%d tokens, at most %d of prompt): "
+            "keeping its first %d tokens (--allow-auto-truncate)",
+            len(input_ids), limits.context_len, limits.max_req_input_len,
+            limits.max_req_input_len,
+        )
+        input_ids = input_ids[: limits.max_req_input_len]
+    prompt_len = len(input_ids)
     if prompt_len >= limits.context_len:
         raise ValueError(
             f"The input ({prompt_len} tokens) is longer than the model's context length "
@@ -116,7 +132,8 @@ def validate_request(
     sampling_params.verify(limits.vocab_size)
     sampling_params.normalize()
     explicit_budget = raw_params.get("max_new_tokens") is not None
-    if explicit_budget and prompt_len + sampling_params.max_new_tokens >= limits.context_len:
+    over_budget = prompt_len + sampling_params.max_new_tokens >= limits.context_len
+    if explicit_budget and over_budget and not limits.auto_truncate:
         # As upstream: an explicit budget that does not fit the context is refused.
         raise ValueError(
             f"Requested token count exceeds the model's maximum context length of "
@@ -126,9 +143,16 @@ def validate_request(
             "completion. Please reduce the number of tokens in the input messages or the "
             "completion to fit within the limit."
         )
-    # The default budget (128) is clamped to what the context leaves, as upstream does.
+    # The default budget (128) is clamped to what the context leaves, as upstream does; with
+    # --allow-auto-truncate an explicit one too.
     room = limits.context_len - prompt_len
     if sampling_params.max_new_tokens > room:
+        if explicit_budget:
+            logger.warning(
+                "max_new_tokens %d with a %d-token prompt does not fit the context (%d "
+                "tokens): lowered to %d (--allow-auto-truncate)",
+                sampling_params.max_new_tokens, prompt_len, limits.context_len, room,
+            )
         sampling_params.max_new_tokens = room
         sampling_params.min_new_tokens = min(sampling_params.min_new_tokens, room)
     start_len = _one(obj.logprob_start_len, "logprob_start_len", int)
@@ -320,7 +344,7 @@ def _check_ids(name: str, ids: Any, limits: RequestLimits) -> None:
     """A list of token ids, no longer than the context, each in the vocabulary."""
     if not isinstance(ids, list):
         raise InvalidRequestError(name, f"must be a list of token ids, got {describe(ids)}")
-    if len(ids) >= limits.context_len:
+    if len(ids) >= limits.context_len and not limits.auto_truncate:
         raise InvalidRequestError(
             name, f"the input ({len(ids)} tokens) is longer than the model's context length "
                   f"({limits.context_len} tokens)",

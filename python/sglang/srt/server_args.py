@@ -95,6 +95,13 @@ class ServerArgs(UpstreamOnlyArgs):
     context_length: int | None = _arg(
         None, "Maximum sequence length (prompt + output). Defaults to the model config's."
     )
+    json_model_override_args: str = _arg(
+        "{}",
+        "A JSON object of config.json fields to replace before the model is built, e.g. "
+        "'{\"num_hidden_layers\": 2}' or a rope_scaling; with fewer layers than the "
+        "checkpoint, the tensors of the layers left out are skipped. Weight updates from disk "
+        "read new checkpoints with the same replacements.",
+    )
     enable_fp32_lm_head: bool = _arg(
         False,
         "Compute the LM head (the logits) in float32 in a bfloat16 or float16 model: the last "
@@ -590,6 +597,7 @@ class ServerArgs(UpstreamOnlyArgs):
             raise ValueError("--mem-fraction-static must be in (0, 1)")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError("--context-length must be >= 1")
+        self.model_override_args()  # raises for anything but a JSON object
         if self.gc_threshold is not None and not (
             1 <= len(self.gc_threshold) <= 3
             and all(type(v) is int and 0 <= v < 2**31 for v in self.gc_threshold)
@@ -610,6 +618,26 @@ class ServerArgs(UpstreamOnlyArgs):
                      "max_stop_strings", "max_stop_str_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+    def model_override_args(self) -> dict[str, Any]:
+        """``--json-model-override-args`` parsed: the config fields it replaces (None, as some
+        callers pass for "no override", is none). Raises ValueError unless it is a JSON
+        object."""
+        if self.json_model_override_args is None:
+            return {}
+        try:
+            overrides = json.loads(self.json_model_override_args)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"--json-model-override-args must be a JSON object, got "
+                f"{self.json_model_override_args!r} ({error})"
+            ) from None
+        if not isinstance(overrides, dict):
+            raise ValueError(
+                f"--json-model-override-args must be a JSON object, got "
+                f"{self.json_model_override_args!r}"
+            )
+        return overrides
 
     def _check_parallelism(self) -> None:
         """TP size, the node layout and the rendezvous address (docs/distributed.md)."""

@@ -136,7 +136,6 @@ class UpstreamOnlyArgs:
     tool_server: str | None = None
     attn_cp_size: int = 1
     moe_dp_size: int = 1
-    json_model_override_args: str = "{}"
     preferred_sampling_params: str | None = None
     enable_lora_overlap_loading: bool | None = None
     lora_eviction_policy: str = "lru"

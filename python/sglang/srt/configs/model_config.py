@@ -149,8 +149,11 @@ class ModelConfig:
         trust_remote_code: bool = False,
         device: str = "cpu",
         load_format: str = "auto",
+        model_override_args: dict[str, Any] | None = None,
     ) -> None:
         self.model_path = os.path.expanduser(model_path)
+        # --json-model-override-args: config.json fields replaced before anything reads them.
+        self.model_override_args: dict[str, Any] = dict(model_override_args or {})
         self.trust_remote_code = trust_remote_code
         self.device = device
         self.load_format = load_format
@@ -159,6 +162,9 @@ class ModelConfig:
         self.gguf_file: str | None = _locate_gguf(self.model_path, load_format)
         self.is_gguf = self.gguf_file is not None
         self.hf_config: PretrainedConfig = self._load_hf_config()
+        checkpoint_layers = self.hf_config.get_text_config().num_hidden_layers
+        if self.model_override_args:
+            self.hf_config.update(self.model_override_args)
         text_config = self.hf_config.get_text_config()
 
         self.architectures: list[str] = list(getattr(self.hf_config, "architectures", None) or [])
@@ -172,6 +178,11 @@ class ModelConfig:
             getattr(text_config, "head_dim", None) or self.hidden_size // self.num_attention_heads
         )
         self.num_hidden_layers: int = text_config.num_hidden_layers
+        # Checkpoint tensors of layers from this index on are skipped at load: the override
+        # asked for fewer layers than the checkpoint has (None: every tensor is loaded).
+        self.skip_layers_from: int | None = (
+            self.num_hidden_layers if self.num_hidden_layers < checkpoint_layers else None
+        )
         self.dtype: torch.dtype = resolve_dtype(dtype, self.hf_config, device)
         self.context_len: int = resolve_context_len(text_config, context_length)
         self.eos_token_ids: set[int] = as_token_id_set(getattr(text_config, "eos_token_id", None))

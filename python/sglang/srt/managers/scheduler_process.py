@@ -72,6 +72,7 @@ def build_scheduler(
         trust_remote_code=server_args.trust_remote_code,
         device=server_args.device,
         load_format=server_args.load_format,
+        model_override_args=server_args.model_override_args(),
     )
     tokenizer = None
     if not server_args.skip_tokenizer_init:

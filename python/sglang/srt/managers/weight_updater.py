@@ -267,6 +267,7 @@ class WeightUpdater:
             trust_remote_code=live.trust_remote_code,
             device=live.device,
             load_format=load_format,
+            model_override_args=live.model_override_args,
         )
         wu.check_config_compatible(live, new_config)
         wu.validate_checkpoint(self.meta_model(), new_config)

@@ -26,8 +26,9 @@ import glob
 import json
 import logging
 import os
+import re
 from collections.abc import Iterable, Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from tqdm import tqdm
@@ -180,6 +181,31 @@ def iterate_weights(
     the first tensor) when the directory holds no weights of the requested format, and
     ``ValueError`` for ``load_format="dummy"`` (which has no files) or an unknown format.
     """
+    return drop_skipped_layers(_iterate_files(model_config, dtype, progress, lazy), model_config)
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_Named = TypeVar("_Named")
+
+
+def drop_skipped_layers(
+    weights: Iterator[tuple[str, _Named]], model_config: ModelConfig
+) -> Iterator[tuple[str, _Named]]:
+    """``weights`` without the tensors of layers from ``model_config.skip_layers_from`` on (a
+    config override asked for fewer layers than the checkpoint has); all of them otherwise."""
+    first = model_config.skip_layers_from
+    if first is None:
+        return weights
+    return (
+        (name, tensor) for name, tensor in weights
+        if (match := _LAYER_INDEX.search(name)) is None or int(match.group(1)) < first
+    )
+
+
+def _iterate_files(
+    model_config: ModelConfig, dtype: torch.dtype | None, progress: bool, lazy: bool
+) -> Iterator[tuple[str, WeightSource]]:
+    """:func:`iterate_weights` before any tensor is dropped."""
     dtype = model_config.dtype if dtype is None else dtype
     load_format = model_config.load_format
     if load_format == "dummy":

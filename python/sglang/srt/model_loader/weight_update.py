@@ -29,6 +29,7 @@ from sglang.srt.layers.linear import LazyWeight, ShardedWeightLoader, get_weight
 from sglang.srt.model_loader.loader import (
     _default_dtype,
     as_weight_loadable,
+    drop_skipped_layers,
     find_safetensors_files,
     iterate_weights,
 )
@@ -104,8 +105,15 @@ def check_config_compatible(live: ModelConfig, new: ModelConfig) -> None:
 def checkpoint_shapes(
     model_config: ModelConfig, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, meta tensor)`` for every tensor of the checkpoint, without reading data when
-    the checkpoint is safetensors. Raises FileNotFoundError when it holds no weights."""
+    """``(name, meta tensor)`` for every tensor of the checkpoint that a load reads (not those
+    of layers a config override left out), without reading data when the checkpoint is
+    safetensors. Raises FileNotFoundError when it holds no weights."""
+    return drop_skipped_layers(_all_checkpoint_shapes(model_config, dtype), model_config)
+
+
+def _all_checkpoint_shapes(
+    model_config: ModelConfig, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
     files = [] if model_config.is_gguf else find_safetensors_files(model_config.model_path)
     if not files or model_config.load_format not in ("auto", "safetensors"):
         # GGUF tensors come lazily: their shapes without dequantizing anything.

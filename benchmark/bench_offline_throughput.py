@@ -21,7 +21,8 @@ time (printed), which includes compiling them, is not counted in the throughput.
 C++ kernel, ``--disable-cpu-fused-ops`` its norms, activation, RoPE and K/V store with torch
 ops instead of the fused C++ kernels, ``--disable-cpu-decode-loop`` its decode steps through
 the modules instead of the flat loop, ``--disable-cpu-malloc-tuning`` with glibc's default
-allocation policy (A/Bs of those; see docs/performance.md).
+allocation policy (A/Bs of those; see docs/performance.md); ``--enable-fp32-lm-head`` its
+LM head in float32 (docs/sampling.md).
 
 ``--device cuda`` (the default when CUDA is available) runs the engine and the transformers
 baseline on the GPU. There the engine replays CUDA graphs for decode unless
@@ -146,6 +147,7 @@ def run_engine(
         "disable_cpu_fused_ops": getattr(args, "disable_cpu_fused_ops", False),
         "disable_cpu_decode_loop": getattr(args, "disable_cpu_decode_loop", False),
         "disable_cpu_malloc_tuning": getattr(args, "disable_cpu_malloc_tuning", False),
+        "enable_fp32_lm_head": getattr(args, "enable_fp32_lm_head", False),
         "disable_cuda_graph": getattr(args, "disable_cuda_graph", False),
         "cuda_graph_max_bs": getattr(args, "cuda_graph_max_bs", None),
         "disable_overlap_schedule": getattr(args, "disable_overlap_schedule", False),
@@ -579,6 +581,11 @@ def main() -> None:
         "--disable-cpu-malloc-tuning",
         action="store_true",
         help="run the engine with --disable-cpu-malloc-tuning (glibc's default allocation)",
+    )
+    parser.add_argument(
+        "--enable-fp32-lm-head",
+        action="store_true",
+        help="run the engine with --enable-fp32-lm-head (the logits in float32)",
     )
     parser.add_argument(
         "--disable-cuda-graph",

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import sglang as sgl
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.layers.rotary_embedding import rope_params_from_config
 from sglang.srt.model_loader.loader import iterate_weights
 from sglang.srt.server_args import ServerArgs
 
@@ -39,7 +40,10 @@ def test_config_and_weights_follow_the_override(tiny_model_dir: Callable[..., Pa
     config = ModelConfig(path, model_override_args=OVERRIDE)
     assert (plain.num_hidden_layers, plain.skip_layers_from) == (2, None)
     assert (config.num_hidden_layers, config.skip_layers_from) == (1, 1)
-    assert config.context_len == 256 and config.hf_config.rope_theta == 500.0
+    assert config.context_len == 256
+    # transformers 5 keeps the RoPE base in rope_parameters, which is what the model reads.
+    assert rope_params_from_config(config.hf_config)[0] == 500.0
+    assert rope_params_from_config(plain.hf_config)[0] == 10000.0
     names = [name for name, _ in iterate_weights(config, progress=False)]
     assert names and not any(".layers.1." in name for name in names)
     assert any(".layers.0." in name for name in names)
@@ -55,6 +59,7 @@ def test_engine_serves_the_overridden_model(tiny_model_dir: Callable[..., Path])
     path = tiny_model_dir("llama")
     hf_config = AutoConfig.from_pretrained(path)
     hf_config.update(OVERRIDE)
+    hf_config.rope_parameters["rope_theta"] = OVERRIDE["rope_theta"]  # what transformers reads
     hf_model = AutoModelForCausalLM.from_pretrained(path, config=hf_config, dtype=torch.float32)
     expected = [hf_greedy(hf_model, prompt, 4)[0] for prompt in PROMPTS]
     params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}

@@ -133,6 +133,23 @@ def resolve_context_len(config: PretrainedConfig, context_length: int | None) ->
     )
 
 
+# Legacy RoPE fields that transformers 5 keeps inside ``rope_parameters``, which is what
+# models read when it is there (layers/rotary_embedding.py).
+_ROPE_PARAMETER_KEYS = ("rope_theta", "partial_rotary_factor")
+
+
+def _apply_overrides(config: PretrainedConfig, overrides: dict[str, Any]) -> None:
+    """Replace ``config``'s fields by ``overrides`` (in place). A ``rope_theta`` or
+    ``partial_rotary_factor`` is also written into a ``rope_parameters`` dict, where
+    ``config.update`` alone would leave the old value that the model reads."""
+    config.update(overrides)
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict):
+        for key in _ROPE_PARAMETER_KEYS:
+            if key in overrides:
+                params[key] = overrides[key]
+
+
 class ModelConfig:
     """The resolved description of a model: HF config, shapes, dtype, context length, EOS ids.
 
@@ -164,7 +181,7 @@ class ModelConfig:
         self.hf_config: PretrainedConfig = self._load_hf_config()
         checkpoint_layers = self.hf_config.get_text_config().num_hidden_layers
         if self.model_override_args:
-            self.hf_config.update(self.model_override_args)
+            _apply_overrides(self.hf_config, self.model_override_args)
         text_config = self.hf_config.get_text_config()
 
         self.architectures: list[str] = list(getattr(self.hf_config, "architectures", None) or [])

@@ -140,6 +140,12 @@ class ServerArgs(UpstreamOnlyArgs):
     max_running_requests: int | None = _arg(
         None, "Maximum number of requests decoded together (default: derived from the pool)."
     )
+    max_queued_requests: int | None = _arg(
+        None,
+        "Most requests waiting to start (per data-parallel replica); a request that arrives "
+        "when that many wait is refused with 503 ('The request queue is full'). Requests "
+        "moved back by a retract are never refused. Default: no limit.",
+    )
     max_prefill_tokens: int = _arg(
         16384, "Maximum number of prompt tokens prefilled in one forward pass."
     )
@@ -577,6 +583,9 @@ class ServerArgs(UpstreamOnlyArgs):
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"--max-total-tokens must be >= 16, got {self.max_total_tokens}")
+        queued = self.max_queued_requests
+        if queued is not None and (type(queued) is not int or queued < 1):
+            raise ValueError(f"--max-queued-requests must be an integer >= 1, got {queued!r}")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
         if self.max_prefill_tokens < 1:

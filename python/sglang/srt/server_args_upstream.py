@@ -71,7 +71,6 @@ class UpstreamOnlyArgs:
     modelopt_export_path: str | None = None
     quantize_and_serve: bool = False
     rl_quant_profile: str | None = None
-    max_queued_requests: int | None = None
     enable_dynamic_chunking: bool = False
     enable_priority_scheduling: bool = False
     disable_priority_preemption: bool = False

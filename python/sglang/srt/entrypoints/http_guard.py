@@ -40,7 +40,7 @@ from sglang.srt.entrypoints.openai.serving_base import (
     error_response,
     status_of,
 )
-from sglang.srt.managers.tokenizer_manager import EnginePausedError
+from sglang.srt.managers.tokenizer_manager import EnginePausedError, QueueFullError
 
 logger = logging.getLogger(__name__)
 
@@ -298,8 +298,8 @@ def add_error_handlers(app: FastAPI) -> None:
 
     async def on_engine_error(request: Request, exc: Exception) -> Response:
         status = status_of(exc)
-        if isinstance(exc, EnginePausedError):
-            # --paused-admission reject: the client should come back after continue.
+        if isinstance(exc, (EnginePausedError, QueueFullError)):
+            # --paused-admission reject or --max-queued-requests: the client should come back.
             return error_response(str(exc), 503, headers={"Retry-After": str(PAUSED_RETRY_S)},
                                   path=request.url.path)
         if status >= 500:

@@ -10,6 +10,9 @@ from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.sampling.sampling_params import derive_seed
 
+# The abort message of a request refused by --max-queued-requests (upstream's words).
+QUEUE_FULL_MESSAGE = "The request queue is full."
+
 
 def make_req(recv: TokenizedGenerateReqInput, model_config: ModelConfig, random_seed: int) -> Req:
     """The scheduler's view of ``recv``: its stop tokens (the model's EOS and the request's

@@ -59,7 +59,7 @@ from sglang.srt.managers.io_struct import (
 from sglang.srt.managers.memory_occupation import MemoryBackend, MemoryOccupation
 from sglang.srt.managers.overlap import InFlightStep, run_ahead_blocker
 from sglang.srt.managers.pause_state import PauseModeError, PauseState, resolve_pause_mode
-from sglang.srt.managers.req_intake import make_req, refusal
+from sglang.srt.managers.req_intake import QUEUE_FULL_MESSAGE, make_req, refusal
 from sglang.srt.managers.req_kv import ReqKV
 from sglang.srt.managers.schedule_batch import Req, ReqStatus, ScheduleBatch
 from sglang.srt.managers.schedule_policy import (
@@ -588,6 +588,12 @@ class Scheduler:
             reason = f"LoRA adapter {name!r} is not loaded"
         if reason is not None:
             self.finish([req], {"type": "abort", "message": reason})
+            return
+        limit = self.server_args.max_queued_requests
+        if limit is not None and len(self.waiting_queue) >= limit:
+            # As upstream: the frontend answers 503 (retry later), not a failed request.
+            self.finish([req], {"type": "abort", "message": QUEUE_FULL_MESSAGE,
+                                "status_code": 503})
             return
         self.waiting_queue.append(req)
 

@@ -128,6 +128,10 @@ class EnginePausedError(RuntimeError):
     """A generate request arrived while paused and ``--paused-admission reject`` is set."""
 
 
+class QueueFullError(RuntimeError):
+    """The scheduler refused a request: ``--max-queued-requests`` requests already wait."""
+
+
 class TokenizerManager:
     """Frontend state of every rid and the ZMQ link to the scheduler and the detokenizer.
 
@@ -345,6 +349,11 @@ class TokenizerManager:
             for state in states:
                 if state.error is not None:
                     raise RuntimeError(state.error)
+                reason = state.finished_reason
+                if isinstance(reason, dict) and reason.get("status_code") == 503:
+                    # Refused before it started (--max-queued-requests): the call fails as a
+                    # whole, as upstream's does; the caller's finally aborts the rest.
+                    raise QueueFullError(reason.get("message") or "The request queue is full.")
             if stream:
                 for index, state in enumerate(states):
                     if state.dirty:

@@ -38,17 +38,20 @@ def test_engine_refuses_past_the_limit_and_keeps_retracted_requests(
                         skip_server_warmup=True, random_seed=0)
     try:
         with request_pool(engine, 6) as pool:
-            # Four running requests: a retract puts all four back in the waiting queue, over
-            # the limit of two, and none of them is dropped.
-            running = submit_greedy(engine, pool, n=4, max_new=300)
-            wait_running(lambda: engine_state(engine), 4)
+            # Four running requests, sent one by one (four at once would meet the limit of two
+            # in the waiting queue): a retract puts all four back in the waiting queue, over
+            # the limit, and none of them is dropped.
+            running = []
+            for i in range(4):
+                running += submit_greedy(engine, pool, n=1)
+                wait_running(lambda: engine_state(engine), i + 1)
             assert engine.pause_generation(mode="retract")["num_retracted"] == 4
             assert engine_state(engine)["waiting_queue_size"] == 4
             with pytest.raises(QueueFullError, match="The request queue is full"):
                 engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
             engine.continue_generation()
             for future in running:
-                check_complete(future.result(timeout=120), max_new=300)
+                check_complete(future.result(timeout=120))
             # Paused with an empty queue: two requests wait, the third is refused.
             engine.pause_generation(mode="abort")
             params = {"max_new_tokens": 3, "ignore_eos": True}

@@ -38,6 +38,15 @@ def test_float32_head_follows_its_weight(cache: bool) -> None:
     with torch.no_grad():
         weight.copy_(torch.randn(8, 4))  # an in-place update (bumps the version)
     assert torch.equal(head.weight(weight), weight.float())
+    if cache:
+        # The copy changes in place, so that what is keyed on its (address, version), as the
+        # CPU's packed head is, sees the change: a new copy at the old one's address would
+        # have the old version 0.
+        key = (first.data_ptr(), first._version)
+        with torch.no_grad():
+            weight.copy_(torch.randn(8, 4))
+        again = head.weight(weight)
+        assert again is first and (again.data_ptr(), again._version) != key
     weight.data = torch.randn(8, 4).bfloat16()  # a new storage (release and resume)
     with torch.inference_mode():  # as in a forward pass
         copy = head.weight(weight)

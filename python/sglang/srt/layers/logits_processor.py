@@ -52,14 +52,21 @@ class Float32Head:
         if not self.cache or weight.is_inference():
             return weight.float()
         key = (weight.data_ptr(), weight._version, tuple(weight.shape))
-        if key != self._key or self._copy is None:
-            self._copy = None  # free the old copy before making the new one
-            # Not an inference tensor even when made inside a forward pass: the CPU's packed
-            # product takes only weights with a version counter, and the copy must be
-            # multiplied the same way whenever it was made.
-            with torch.inference_mode(False):
+        if key == self._key and self._copy is not None:
+            return self._copy
+        # Not an inference tensor even when made inside a forward pass: the CPU's packed
+        # product takes only weights with a version counter, and the copy must be multiplied
+        # the same way whenever it was made.
+        with torch.inference_mode(False), torch.no_grad():
+            if self._copy is not None and self._copy.shape == weight.shape:
+                # In place, which bumps the copy's version: a new tensor could land at the old
+                # one's address with the same version 0, and a packed copy keyed on (address,
+                # version) would then keep the old values.
+                self._copy.copy_(weight)
+            else:
+                self._copy = None  # free the old copy before making the new one
                 self._copy = weight.detach().float()
-            self._key = key
+        self._key = key
         return self._copy
 
     def clear(self) -> None:

@@ -56,6 +56,7 @@ class _Req:
     origin_input_ids: range
     output_ids: list[int] = field(default_factory=list)
     eos_token_ids: set[int] = field(default_factory=set)
+    grammar: None = None
 
 
 def make_info(batch: int, vocab: int, params: dict, entropy: str | None, device: str):

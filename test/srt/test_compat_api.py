@@ -4,6 +4,7 @@ upstream SGLang relies on, checked against a real server on a tiny model."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -62,13 +63,14 @@ def test_features_we_lack_are_refused_not_ignored(server: ServerProcess) -> None
     for field, value in [("image_data", "a.png"), ("return_hidden_states", True),
                          ("custom_logit_processor", "x"), ("return_bytes", True)]:
         assert field in _error(_post(server, "/generate", {**body, field: value}), 400)
-    # Sampling keys of upstream's constrained decoding: null accepted, set refused by name.
+    # Constrained decoding and logit bias: null accepted; a bad one is a 400 naming it.
     nulls = {k: None for k in ("json_schema", "regex", "ebnf", "structural_tag", "logit_bias")}
     ok = _post(server, "/generate", {"text": "hi", "sampling_params": {
         **GREEDY, **nulls, "custom_params": {"return_top_p_token_ids": True}}})
     assert ok.status_code == 200, ok.text
-    for key, value in [("json_schema", '{"type": "object"}'), ("regex", "a+"),
-                       ("logit_bias", {"5": 10.0})]:
+    for key, value in [("json_schema", '{"type": objec'), ("regex", "a+("),
+                       ("ebnf", "root ::="), ("structural_tag", "[]"),
+                       ("logit_bias", {"5": "x"}), ("logit_bias", {"999999": 1.0})]:
         body = {"text": "hi", "sampling_params": {**GREEDY, key: value}}
         assert key in _error(_post(server, "/generate", body), 400)
     body = {"text": "hi", "sampling_params": {**GREEDY, "custom_params": "x"}}
@@ -161,15 +163,14 @@ def test_completions_echo_with_logprobs(server: ServerProcess) -> None:
 
 
 @pytest.mark.parametrize(("body", "needle"), [
-    ({"response_format": {"type": "json_object"}}, "response_format 'json_object'"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-     "response_format 'json_schema'"),
-    ({"regex": "[ab]+"}, "regex"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
       "tool_choice": "required"}, "tool_choice 'required'"),
+    ({"regex": "[ab]+", "response_format": {"type": "json_object"}}, "at most one of"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
+     "json_schema"),
 ])
-def test_chat_structured_output_is_refused(server: ServerProcess, body: dict,
-                                           needle: str) -> None:
+def test_chat_structured_output_refusals(server: ServerProcess, body: dict,
+                                         needle: str) -> None:
     request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body}
     assert needle in _error(_post(server, "/v1/chat/completions", request), 400)
 
@@ -183,14 +184,33 @@ def test_chat_plain_response_format_and_tools_are_served(server: ServerProcess) 
     assert out.json()["usage"]["completion_tokens"] == 2
 
 
-def test_completions_constraints_and_logit_bias_are_refused(server: ServerProcess) -> None:
-    body = {"prompt": "hi", "max_tokens": 2, "json_schema": '{"type": "object"}'}
-    assert "json_schema" in _error(_post(server, "/v1/completions", body), 400)
-    body = {"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": -100}}
-    assert "logit_bias" in _error(_post(server, "/v1/completions", body), 400)
+def test_constraints_and_logit_bias_are_served(server: ServerProcess) -> None:
+    """Over HTTP on the tiny random model: each output is what its grammar allows, and a
+    large logit_bias decides a greedy token, on /generate and both OpenAI endpoints."""
+    for stream in (False, True):
+        body = {"text": "hi", "stream": stream, "sampling_params": {
+            "temperature": 1.0, "max_new_tokens": 12, "regex": "[ab]{3}-[0-9]{2}"}}
+        r = _post(server, "/generate", body)
+        assert r.status_code == 200, r.text
+        last = json.loads(r.text.split("data: ")[-2]) if stream else r.json()
+        assert re.fullmatch("[ab]{3}-[0-9]{2}", last["text"]), last["text"]
+    body = {"prompt": "hi", "max_tokens": 6, "temperature": 1.0, "ebnf": 'root ::= "x" | "yy"'}
+    for choice in _post(server, "/v1/completions", {**body, "n": 3}).json()["choices"]:
+        assert choice["text"] in ("x", "yy") and choice["finish_reason"] == "stop"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+            "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "n", "schema": {"enum": [1, 22, 333]}}}}
+    r = _post(server, "/v1/chat/completions", chat)
+    assert r.status_code == 200, r.text
+    assert json.loads(r.json()["choices"][0]["message"]["content"]) in (1, 22, 333)
+    greedy = {"prompt": "hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    r = _post(server, "/generate", {"text": "hi", "sampling_params": {
+        "temperature": 0, "max_new_tokens": 3, "ignore_eos": True, "logit_bias": {"77": 50}}})
+    assert r.json()["output_ids"] == [77, 77, 77]
+    r = _post(server, "/v1/completions", {**greedy, "logit_bias": {"77": 50}, "logprobs": 0})
+    assert r.status_code == 200, r.text
     # An empty logit_bias (what some clients send) changes nothing and is accepted.
-    body = {"prompt": "hi", "max_tokens": 2, "logit_bias": {}}
-    assert _post(server, "/v1/completions", body).status_code == 200
+    assert _post(server, "/v1/completions", {**greedy, "logit_bias": {}}).status_code == 200
 
 
 def test_tools_reach_the_chat_template() -> None:

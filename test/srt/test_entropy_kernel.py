@@ -57,6 +57,7 @@ class FakeReq:
     origin_input_ids: range
     output_ids: list[int] = field(default_factory=list)
     eos_token_ids: set[int] = field(default_factory=set)
+    grammar: None = None
 
 
 def make_info(

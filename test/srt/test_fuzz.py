@@ -51,14 +51,16 @@ NASTY = st.sampled_from([
 SAMPLING_KEYS = ["max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
                  "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos",
                  "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stop",
-                 "stop_token_ids", "sampling_seed", "n", "bogus"]
+                 "stop_token_ids", "sampling_seed", "n", "json_schema", "regex", "ebnf",
+                 "structural_tag", "logit_bias", "bogus"]
 GENERATE_KEYS = ["text", "input_ids", "rid", "return_logprob", "logprob_start_len",
                  "top_logprobs_num", "return_text_in_logprobs", "stream", "return_entropy",
                  "entropy_mode", "entropy_top_k", "sampling_params", "lora_path"]
 OPENAI_KEYS = ["prompt", "max_tokens", "temperature", "top_p", "n", "logprobs", "echo", "stop",
                "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p", "ignore_eos",
                "repetition_penalty", "stop_token_ids", "rid", "return_entropy", "stream",
-               "stream_options", "suffix"]
+               "stream_options", "suffix", "logit_bias", "regex", "json_schema",
+               "response_format"]
 CHAT_KEYS = ["messages", "max_tokens", "max_completion_tokens", "temperature", "logprobs",
              "top_logprobs", "stop", "n", "seed", "chat_template_kwargs", "response_format",
              "tools", "tool_choice", "continue_final_message", "skip_special_tokens"]

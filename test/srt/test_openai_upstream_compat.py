@@ -126,14 +126,43 @@ def _events(r: httpx.Response) -> list[dict[str, Any]]:
     return [json.loads(p) for p in payloads[:-1]]
 
 
-# ---- 1. response_format on /v1/completions ----------------------------------------------------
+# ---- 1. response_format on /v1/completions and chat -------------------------------------------
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TAG = {"type": "structural_tag", "structures": [
+    {"begin": "<f>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f>"]}
+
+
 @pytest.mark.parametrize("path, body", [("/v1/completions", COMPLETION),
                                         ("/v1/chat/completions", CHAT)])
-def test_response_format_is_refused_unless_text(http: httpx.Client, path: str,
-                                                body: dict[str, Any]) -> None:
-    assert http.post(path, json={**body, "response_format": {"type": "text"}}).status_code == 200
-    r = http.post(path, json={**body, "response_format": {"type": "json_object"}})
-    assert r.status_code == 400 and "response_format 'json_object'" in r.json()["message"]
+@pytest.mark.parametrize("response_format, grammar", [
+    ({"type": "text"}, {}),
+    ({"type": "json_object"}, {"json_schema": {"type": "object"}}),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}},
+     {"json_schema": SCHEMA}),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, {"json_schema": {"type": "object"}}),
+    (TAG, {"structural_tag": TAG}),
+])
+def test_response_format_becomes_the_grammar(
+    http: httpx.Client, tm: _RecordingTM, path: str, body: dict[str, Any],
+    response_format: dict[str, Any], grammar: dict[str, Any],
+) -> None:
+    """As upstream: json_object is any JSON object, json_schema its schema, a structural tag
+    the whole object; each reaches the engine as the sampling parameter of that name."""
+    r = http.post(path, json={**body, "response_format": response_format})
+    assert r.status_code == 200, r.text
+    params = tm.seen[-1].sampling_params
+    sent = params[0] if isinstance(params, list) else params
+    keys = ("json_schema", "regex", "ebnf", "structural_tag")
+    assert {k: json.loads(sent[k]) for k in keys if sent.get(k)} == grammar
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": 5},
+    {"type": "json_schema", "json_schema": {"schema": [1]}}, {},
+])
+def test_bad_response_format_is_a_400(http: httpx.Client, response_format: Any) -> None:
+    r = http.post("/v1/chat/completions", json={**CHAT, "response_format": response_format})
+    assert r.status_code == 400 and "response_format" in r.text, r.text
 
 
 # ---- 2, 3. sampling defaults from generation_config.json; null accepted on chat ---------------

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from scheduler_test_utils import (
     OutputSink,
     assert_no_leak,
@@ -127,6 +129,44 @@ def test_model_worker_overlap_equals_sync(model_dir: str) -> None:
         }
     assert runs[True] == runs[False]
     assert all(len(out[0]) > 0 for out in runs[True].values())
+
+
+class _AllowAll:
+    """A grammar matcher that allows every token and records the ones it accepted."""
+
+    def __init__(self) -> None:
+        self.accepted: list[int] = []
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = -1
+
+    def accept(self, token_id: int) -> bool:
+        self.accepted.append(token_id)
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+def test_grammar_requests_do_not_run_ahead(model_dir: str) -> None:
+    """A decode step is never launched before the one in flight commits while a request of
+    the batch has a grammar (its next mask needs the committed token); each matcher sees every
+    committed token once, in order. Without a grammar the same batch runs ahead."""
+    for grammar in (False, True):
+        core, _, sink = make_core(model_dir, overlap=True, max_total_tokens=512)
+        matchers: list[_AllowAll] = []
+        core.grammar_backend = SimpleNamespace(  # type: ignore[assignment]
+            matcher=lambda spec, stops, made=matchers: made.append(_AllowAll()) or made[-1]
+        )
+        for i, prompt in enumerate(PROMPTS[:3]):
+            sampling = {"regex": "[a-z]+"} if grammar and i == 1 else {}
+            submit(core, f"r{i}", prompt, 20, sampling=sampling)
+        run_until_idle(core)
+        assert_no_leak(core)
+        assert (core.num_steps_ahead == 0) is grammar
+        assert len(matchers) == int(grammar)
+        if grammar:
+            assert matchers[0].accepted == sink.by_rid["r1"].output_ids
 
 
 def test_overlap_off_reasons() -> None:

@@ -36,6 +36,7 @@ class FakeReq:
     origin_input_ids: Sequence[int] = field(default_factory=lambda: [1, 2, 3])
     output_ids: list[int] = field(default_factory=list)
     eos_token_ids: set[int] = field(default_factory=lambda: {0})
+    grammar: None = None
 
 
 def make_info(reqs: list[FakeReq], vocab_size: int) -> SamplingBatchInfo:

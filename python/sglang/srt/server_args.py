@@ -34,6 +34,7 @@ from sglang.srt.server_args_upstream import (
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 _ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 _SAMPLING_BACKENDS = ("pytorch", "triton")
+_GRAMMAR_BACKENDS = ("xgrammar", "none")
 _ENTROPY_MODES = ("raw", "scaled", "sampled")
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _REASONING_PARSERS = ("qwen3", "deepseek-r1")
@@ -194,6 +195,18 @@ class ServerArgs(UpstreamOnlyArgs):
         "CUDA; on CPU only with TRITON_INTERPRET=1). Upstream's flashinfer falls back to the "
         "default, with a warning.",
         choices=_SAMPLING_BACKENDS,
+    )
+    grammar_backend: str = _arg(
+        None,
+        "Constrained decoding (json_schema, regex, ebnf, structural_tag; docs/"
+        "constrained_decoding.md): xgrammar (the default) or none (such requests are refused). "
+        "Upstream's outlines and llguidance fall back to xgrammar, with a warning.",
+        choices=_GRAMMAR_BACKENDS,
+    )
+    constrained_json_disable_any_whitespace: bool = _arg(
+        False,
+        "JSON schemas allow no free whitespace between JSON tokens (by default any amount "
+        "may appear where JSON allows it).",
     )
     enable_deterministic_inference: bool = _arg(
         False, "Batch-invariant kernels: the same tokens whatever the batch, chunking or cache."
@@ -518,6 +531,8 @@ class ServerArgs(UpstreamOnlyArgs):
             self.attention_backend = "triton" if self.device == "cuda" else "torch_native"
         if self.sampling_backend is None:
             self.sampling_backend = "triton" if self.device == "cuda" else "pytorch"
+        if self.grammar_backend is None:
+            self.grammar_backend = "xgrammar"
         if self.chunked_prefill_size is None:
             self.chunked_prefill_size = 8192
         if self.custom_weight_loader is None:
@@ -560,6 +575,11 @@ class ServerArgs(UpstreamOnlyArgs):
             raise ValueError(
                 f"--sampling-backend must be one of {_SAMPLING_BACKENDS}, "
                 f"got {self.sampling_backend!r}"
+            )
+        if self.grammar_backend not in _GRAMMAR_BACKENDS:
+            raise ValueError(
+                f"--grammar-backend must be one of {_GRAMMAR_BACKENDS}, "
+                f"got {self.grammar_backend!r}"
             )
         triton_on_cpu = self.device == "cpu" and not environ.triton_interpret_enabled()
         for flag, value, other in (
@@ -765,8 +785,8 @@ class ServerArgs(UpstreamOnlyArgs):
         from ``--help`` with upstream's default (present in the namespace). A wrapper that
         rewrites the flags of each call (slime's ``--sglang-`` prefix) gets the namespace it gets
         from upstream; :meth:`from_cli_args` maps the dests back to the fields.
-        ``--attention-backend`` / ``--sampling-backend`` also take upstream's backend names,
-        which fall back to this build's default with a warning."""
+        ``--attention-backend``, ``--sampling-backend`` and ``--grammar-backend`` also take
+        upstream's backend names, which fall back to this build's default with a warning."""
         hints = typing.get_type_hints(ServerArgs)
         for f in dataclasses.fields(ServerArgs):
             kind = _scalar_type(hints[f.name])

@@ -92,7 +92,6 @@ class UpstreamOnlyArgs:
     incremental_streaming_output: bool = False
     enable_streaming_session: bool = False
     constrained_json_whitespace_pattern: str | None = None
-    constrained_json_disable_any_whitespace: bool = False
     watchdog_timeout: float = 300
     soft_watchdog_timeout: float | None = None
     download_dir: str | None = None
@@ -143,7 +142,6 @@ class UpstreamOnlyArgs:
     experts_shared_outer_loras: bool | None = None
     decode_attention_backend: str | None = None
     prefill_attention_backend: str | None = None
-    grammar_backend: str | None = None
     mm_attention_backend: str | None = None
     fp8_gemm_runner_backend: str = "auto"
     fp4_gemm_runner_backend: str = "auto"
@@ -409,6 +407,7 @@ UPSTREAM_BACKENDS: dict[str, frozenset[str]] = {
         "ascend", "intel_xpu",
     }),
     "sampling_backend": frozenset({"flashinfer", "ascend"}),
+    "grammar_backend": frozenset({"outlines", "llguidance"}),
 }
 
 # Values other than upstream's default that name what this build runs anyway: silent.

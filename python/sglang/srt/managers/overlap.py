@@ -67,6 +67,8 @@ def run_ahead_blocker(
         return "the batch changed"  # batches replace their list whenever they change
     if not running.has_sampling_info:
         return "the batch's sampling state is rebuilt from committed tokens"
+    if running.sampling_info.grammars is not None:
+        return "a grammar masks the next token by the committed ones"
     if has_waiting and len(running.reqs) < max_running_requests:
         return "waiting requests may be admitted"
     if any(len(r.output_ids) + 2 > r.sampling_params.max_new_tokens for r in step.reqs):

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sglang.srt.constrained.base_grammar_backend import GrammarBackend, create_grammar_backend
 from sglang.srt.managers.field_checks import (
     InvalidRequestError,
     check_bool,
@@ -59,6 +60,8 @@ class RequestLimits:
     max_stop_str_len: int = 512  # --max-stop-str-len (characters)
     routed_experts: bool = False  # --enable-return-routed-experts
     auto_truncate: bool = False  # --allow-auto-truncate
+    # Checks grammars' syntax (--grammar-backend); None: constrained decoding is off.
+    grammar_backend: GrammarBackend | None = None
 
     @classmethod
     def from_server_args(cls, server_args: ServerArgs, scheduler_info: dict) -> RequestLimits:
@@ -75,6 +78,12 @@ class RequestLimits:
             max_stop_str_len=server_args.max_stop_str_len,
             routed_experts=server_args.enable_return_routed_experts,
             auto_truncate=server_args.allow_auto_truncate,
+            grammar_backend=None if server_args.skip_tokenizer_init else create_grammar_backend(
+                server_args.grammar_backend,
+                None,
+                scheduler_info["vocab_size"],
+                any_whitespace=not server_args.constrained_json_disable_any_whitespace,
+            ),
         )
 
 
@@ -293,7 +302,7 @@ def check_generate_input(obj: GenerateReqInput, limits: RequestLimits) -> None:
 def _sampling_n(limits: RequestLimits, params: Any, name: str) -> int:
     return check_sampling_params(
         params, name, limits.vocab_size, limits.max_request_batch_size,
-        limits.max_stop_strings, limits.max_stop_str_len,
+        limits.max_stop_strings, limits.max_stop_str_len, limits.grammar_backend,
     )
 
 

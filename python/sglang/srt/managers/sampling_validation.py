@@ -10,6 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from sglang.srt.constrained.base_grammar_backend import (
+    GRAMMAR_KEYS,
+    GrammarBackend,
+    InvalidGrammarError,
+    grammar_spec,
+)
 from sglang.srt.managers.field_checks import (
     InvalidRequestError,
     check_bool,
@@ -79,19 +85,21 @@ _RULES: dict[str, Callable[[str, Any], None]] = {
     "custom_params": _check_dict,
 }
 # Keys whose rule depends on the server's limits (checked below).
-_LIMITED_KEYS = frozenset({"n", "stop", "stop_regex", "stop_token_ids"})
-# Upstream's constrained decoding and logit bias, which this engine does not have: null (or an
-# empty value) is accepted, as clients send them unset; a set one is refused by name.
-UNSUPPORTED_KEYS = frozenset({"json_schema", "regex", "ebnf", "structural_tag", "logit_bias"})
+_LIMITED_KEYS = frozenset({"n", "stop", "stop_regex", "stop_token_ids", "logit_bias",
+                           *GRAMMAR_KEYS})
 KNOWN_KEYS = frozenset(_RULES) | _LIMITED_KEYS
+# Longest grammar text (json_schema, regex, ebnf, structural_tag), in characters.
+MAX_GRAMMAR_LEN = 1 << 20
 
 
 def engine_sampling_params(params: dict[str, Any]) -> dict[str, Any]:
-    """``params`` without the keys that change nothing here: nulls (the default),
-    ``custom_params`` and unset unsupported keys. A set unsupported key stays, so that
-    ``SamplingParams.from_dict`` refuses it on a path that skipped the checks above."""
+    """``params`` without the keys that change nothing: nulls (the default), ``custom_params``,
+    and empty grammars and logit biases (clients send them unset so)."""
     return {k: v for k, v in params.items() if v is not None and k != "custom_params"
-            and not (k in UNSUPPORTED_KEYS and v in ("", {}, []))}
+            and not (k in _EMPTY_IS_UNSET and v in ("", {}))}
+
+
+_EMPTY_IS_UNSET = frozenset({"logit_bias", *GRAMMAR_KEYS})
 
 
 def check_sampling_params(
@@ -101,18 +109,20 @@ def check_sampling_params(
     max_n: int,
     max_stop_strings: int,
     max_stop_str_len: int,
+    grammar_backend: GrammarBackend | None = None,
 ) -> int:
     """Check one ``sampling_params`` dict (``param`` is its name in messages); returns its
-    ``n`` (1 by default). ``max_n`` bounds ``n``; the stop limits bound ``stop``."""
+    ``n`` (1 by default). ``max_n`` bounds ``n``; the stop limits bound ``stop``;
+    ``grammar_backend`` checks a grammar's syntax (None: constrained decoding is off, and a
+    grammar is refused)."""
     if not isinstance(params, dict):
         raise InvalidRequestError(param, f"must be a JSON object (a dict), got {describe(params)}")
-    unknown = sorted(str(k) for k in params if k not in KNOWN_KEYS | UNSUPPORTED_KEYS)
+    unknown = sorted(str(k) for k in params if k not in KNOWN_KEYS)
     if unknown:
         raise InvalidRequestError(param, f"unknown sampling parameter(s): {', '.join(unknown)}")
-    used = sorted(k for k in UNSUPPORTED_KEYS if k in engine_sampling_params(params))
-    if used:
-        raise InvalidRequestError(f"{param}.{used[0]}", "not supported by this engine "
-                                                        "(constrained decoding, logit bias)")
+    _check_grammar(params, param, grammar_backend)
+    if params.get("logit_bias") is not None:
+        _check_logit_bias(f"{param}.logit_bias", params["logit_bias"], vocab_size)
     for key, value in params.items():
         if value is not None and key in _RULES:
             _RULES[key](f"{param}.{key}", value)
@@ -139,6 +149,46 @@ def check_sampling_params(
         return 1
     check_int(f"{param}.n", n, 1, max_n)
     return n
+
+
+def _check_grammar(params: dict[str, Any], param: str, backend: GrammarBackend | None) -> None:
+    """At most one grammar, a string that ``backend`` parses."""
+    for key in GRAMMAR_KEYS:
+        if params.get(key) is not None:
+            check_str(f"{param}.{key}", params[key], MAX_GRAMMAR_LEN)
+    set_keys = [k for k in GRAMMAR_KEYS if params.get(k)]
+    if len(set_keys) > 1:
+        raise InvalidRequestError(param, f"at most one of {', '.join(GRAMMAR_KEYS)} may be "
+                                         f"set, got {', '.join(set_keys)}")
+    spec = grammar_spec(params)
+    if spec is None:
+        return
+    name = f"{param}.{spec[0]}"
+    if backend is None:
+        raise InvalidRequestError(name, "constrained decoding is off on this server "
+                                        "(--grammar-backend none, or no tokenizer)")
+    try:
+        backend.check(spec)
+    except InvalidGrammarError as e:
+        raise InvalidRequestError(name, str(e)) from None
+
+
+def _check_logit_bias(param: str, bias: Any, vocab_size: int) -> None:
+    """Token ids in [0, vocab_size) (decimal strings, or ints from Python) to finite numbers."""
+    if not isinstance(bias, dict):
+        raise InvalidRequestError(param, f"must be a JSON object (a dict), got {describe(bias)}")
+    check_list(param, list(bias), vocab_size)
+    for token, value in bias.items():
+        if isinstance(token, str) and token.isascii() and token.isdecimal():
+            token_id = int(token)
+        elif isinstance(token, int) and not isinstance(token, bool):
+            token_id = token
+        else:
+            raise InvalidRequestError(param, f"keys must be token ids, got {token!r}")
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequestError(param, f"keys must be token ids in [0, {vocab_size}), "
+                                             f"got {token!r}")
+        check_number(f"{param}[{token!r}]", value, -INT64_LIMIT, INT64_LIMIT)
 
 
 def _check_stop(param: str, stop: Any, max_strings: int, max_len: int) -> None:

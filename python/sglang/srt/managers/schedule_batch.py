@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from sglang.srt.constrained.base_grammar_backend import GrammarMatcher
 from sglang.srt.managers.req_kv import ReqKV
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
@@ -102,6 +103,9 @@ class Req:
         )
         self.stop_str_max_chars = max((len(s) for s in sampling_params.stop_strs), default=0)
         self.stop_regex_max_chars = max_match_chars(sampling_params.stop_regex_strs)
+        # Constrained decoding (json_schema / regex / ebnf / structural_tag): the grammar's
+        # state over output_ids, set by the Scheduler when it takes the request in.
+        self.grammar: GrammarMatcher | None = None
         self.arrival_time = time.monotonic()
 
         self.status = ReqStatus.WAITING
@@ -194,9 +198,14 @@ class Req:
             self.finished_reason = {"type": "length", "length": sp.max_new_tokens}
             return
         last = self.output_ids[-1]
+        if self.grammar is not None and self.grammar.is_terminated():
+            self.finished_reason = {"type": "stop", "matched": last}
+            return
         # min_new_tokens holds back token-based stops only (their logits are masked until
-        # then); stop strings end a request at any length, as upstream.
-        if num_out >= sp.min_new_tokens and last in self.eos_token_ids:
+        # then; never for a request with a grammar); stop strings end a request at any
+        # length, as upstream.
+        held = num_out < sp.min_new_tokens and self.grammar is None
+        if not held and last in self.eos_token_ids:
             self.finished_reason = {"type": "stop", "matched": last}
             return
         if sp.stop_strs and tokenizer is not None:

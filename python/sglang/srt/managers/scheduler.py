@@ -28,6 +28,12 @@ from typing import Any, Protocol
 import torch
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.constrained.base_grammar_backend import (
+    GrammarSpec,
+    InvalidGrammarError,
+    create_grammar_backend,
+    grammar_spec,
+)
 from sglang.srt.lora.control import LoRAControl
 from sglang.srt.lora.scheduling import admissible, unpaused
 from sglang.srt.managers.control_hooks import SchedulerHooks
@@ -173,6 +179,13 @@ class Scheduler:
             self.memory,
             hooks,
             custom_weight_loader=server_args.custom_weight_loader,
+        )
+        # Constrained decoding (docs/constrained_decoding.md); None with --grammar-backend none.
+        self.grammar_backend = create_grammar_backend(
+            server_args.grammar_backend,
+            tokenizer,
+            model_config.vocab_size,
+            any_whitespace=not server_args.constrained_json_disable_any_whitespace,
         )
         self.profiler = SchedulerProfiler()
         self.dispatch = TypeBasedDispatcher(
@@ -583,6 +596,9 @@ class Scheduler:
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
         req = make_req(recv, self.model_config, self.server_args.random_seed)
         reason = refusal(req, self.max_req_input_len, self.max_total_num_tokens)
+        spec = grammar_spec(req.sampling_params)
+        if reason is None and spec is not None:
+            reason = self._attach_grammar(req, spec)
         name = req.lora_name
         if name is not None and not self.lora_ctl.is_loaded(name):
             reason = f"LoRA adapter {name!r} is not loaded"
@@ -596,6 +612,19 @@ class Scheduler:
                                 "status_code": 503})
             return
         self.waiting_queue.append(req)
+
+    def _attach_grammar(self, req: Req, spec: GrammarSpec) -> str | None:
+        """Give ``req`` a matcher for its grammar; why it cannot have one (None: it has)."""
+        if self.grammar_backend is None:
+            return "Constrained decoding is off (--grammar-backend none)"
+        # The stop tokens end the output once the grammar is complete; with ignore_eos (no
+        # stop token of its own) the model's EOS still does.
+        stops = sorted(req.eos_token_ids or self.model_config.eos_token_ids)
+        try:
+            req.grammar = self.grammar_backend.matcher(spec, stops)
+        except InvalidGrammarError as e:
+            return str(e)
+        return None
 
     def handle_abort(self, recv: AbortReq) -> AbortReqOutput:
         """Abort by exact rid, rid prefix (when asked) or all; each gets its final output now."""

@@ -77,13 +77,14 @@ class OutputProcessor:
         self.stream([r for r in reqs if not r.finished and self._due(r)])
 
     def _append_token(self, req: Req, result: GenerationBatchResult, i: int) -> None:
-        req.output_ids.append(result.next_token_ids[i])
+        token = result.next_token_ids[i]
+        req.output_ids.append(token)
         own = self.version_of(req) if self.version_of is not None else None
         version = self.weights.version if own is None else own
         _extend_version_spans(req.weight_version_spans, version, len(req.output_ids))
         if req.return_logprob:
             req.output_token_logprobs_val.append(_asked(result.next_token_logprobs)[i])
-            req.output_token_logprobs_idx.append(result.next_token_ids[i])
+            req.output_token_logprobs_idx.append(token)
             if req.top_logprobs_num:
                 req.output_top_logprobs_val.append(
                     _asked(result.top_logprobs_val)[i][: req.top_logprobs_num]
@@ -95,6 +96,10 @@ class OutputProcessor:
             # One value per output token, appended with it: a retracted request keeps its list
             # and continues it after the re-prefill, so ids, logprobs and entropy stay aligned.
             req.output_token_entropy_val.append(_asked(result.entropies)[i])
+        if req.grammar is not None and not req.grammar.accept(token):
+            # Only a token outside the mask gets here (e.g. a row left with no allowed token).
+            req.abort(f"The grammar does not allow token {token} here")
+            return
         req.check_finished(self.tokenizer)
 
     def _add_input_logprobs(

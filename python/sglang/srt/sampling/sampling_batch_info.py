@@ -20,6 +20,8 @@ from sgl_kernel.sampling_contract import (
     EntropyGroup,
     EntropyPlan,
 )
+from sglang.srt.constrained.base_grammar_backend import GrammarMatcher
+from sglang.srt.constrained.grammar_batch import GrammarBatch
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 _GREEDY_EPS = 1e-6
@@ -37,6 +39,7 @@ class SamplingReq(Protocol):
     origin_input_ids: list[int]
     output_ids: list[int]
     eos_token_ids: set[int]  # tokens that end the request (model EOS unless ignore_eos, + stop ids)
+    grammar: GrammarMatcher | None  # its constrained-decoding state (None: unconstrained)
 
 
 @dataclass
@@ -127,6 +130,8 @@ class SamplingBatchInfo:
     max_top_k: int  # largest enabled top_k among sampled rows (0 when none)
     penalties: PenaltyState | None
     min_new_tokens: MinNewTokensState | None
+    logit_bias: LogitBias | None = None
+    grammars: GrammarBatch | None = None
     unit_temperature: bool = False  # every stored temperature is 1.0 (logits / T == logits)
     # Per row: None (no entropy) or the request's EntropyRequest; see entropy_plan().
     entropy_requests: tuple[EntropyRequest | None, ...] = ()
@@ -184,6 +189,8 @@ class SamplingBatchInfo:
             max_top_k=max((top_ks[i] for i in sampled if top_ks[i] < vocab_size), default=0),
             penalties=_build_penalties(reqs, vocab_size, device),
             min_new_tokens=_build_min_new_tokens(reqs, vocab_size, device),
+            logit_bias=LogitBias.build(params, device),
+            grammars=GrammarBatch.build([r.grammar for r in reqs], vocab_size, device),
             unit_temperature=all(t == 1.0 for t in temperatures),
             entropy_requests=tuple(entropy_requests or (None,) * len(reqs)),
         )
@@ -233,11 +240,14 @@ class SamplingBatchInfo:
         return torch.tensor(rows, dtype=torch.int64, device=self.device)
 
     def apply_logits_processors(self, logits: torch.Tensor) -> None:
-        """Apply penalties and the min_new_tokens EOS mask to ``logits`` [B, V] IN PLACE.
+        """Apply penalties, the min_new_tokens EOS mask, logit biases and grammars to
+        ``logits`` [B, V] IN PLACE.
 
         Repetition (over output tokens; SGLang: logit > 0 divided by p, otherwise multiplied),
         then ``logits -= frequency * count + presence * (count > 0)``, then stop tokens of rows
-        below min_new_tokens set to -inf. Returns at once when the batch uses none of these.
+        below min_new_tokens set to -inf, then each row's ``logit_bias`` added, then tokens
+        that a row's grammar does not allow set to -inf. Returns at once when the batch uses
+        none of these.
         """
         pen = self.penalties
         if pen is not None:
@@ -251,6 +261,10 @@ class SamplingBatchInfo:
             current = logits[mnt.eos_rows, mnt.eos_ids]
             masked = torch.where(active, torch.full_like(current, float("-inf")), current)
             logits[mnt.eos_rows, mnt.eos_ids] = masked
+        if self.logit_bias is not None:
+            self.logit_bias.apply(logits)
+        if self.grammars is not None:
+            self.grammars.apply(logits)
 
     def cumulate_output_tokens(self, next_token_ids: torch.Tensor) -> None:
         """Record one sampled token per row (``next_token_ids`` [B] int64, batch order).
@@ -327,10 +341,44 @@ def _rows_where(flags: list[bool], device: torch.device) -> torch.Tensor | None:
     return torch.tensor(rows, dtype=torch.int64, device=device) if rows else None
 
 
+@dataclass
+class LogitBias:
+    """The batch's ``logit_bias`` entries: ``values[k]`` is added to logit ``cols[k]`` of row
+    ``rows[k]``."""
+
+    rows: torch.Tensor  # [N] int64
+    cols: torch.Tensor  # [N] int64
+    values: torch.Tensor  # [N] float32
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], device: torch.device) -> LogitBias | None:
+        entries = [
+            (i, int(token), float(bias))
+            for i, p in enumerate(params)
+            for token, bias in (p.logit_bias or {}).items()
+        ]
+        if not entries:
+            return None
+        rows, cols, values = zip(*entries)
+        return cls(
+            rows=torch.tensor(rows, dtype=torch.int64, device=device),
+            cols=torch.tensor(cols, dtype=torch.int64, device=device),
+            values=torch.tensor(values, dtype=torch.float32, device=device),
+        )
+
+    def apply(self, logits: torch.Tensor) -> None:
+        logits.index_put_((self.rows, self.cols), self.values.to(logits.dtype), accumulate=True)
+
+
 def _build_min_new_tokens(
     reqs: Sequence[SamplingReq], vocab_size: int, device: torch.device
 ) -> MinNewTokensState | None:
-    left = [max(r.sampling_params.min_new_tokens - len(r.output_ids), 0) for r in reqs]
+    # A request with a grammar is not held back: its grammar decides where its output may
+    # end (masking the stop tokens too could leave it no token at all).
+    left = [
+        0 if r.grammar is not None else max(r.sampling_params.min_new_tokens - len(r.output_ids), 0)
+        for r in reqs
+    ]
     pairs = [
         (i, t)
         for i, r in enumerate(reqs)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from sglang.srt.constrained.base_grammar_backend import GRAMMAR_KEYS
 from sglang.srt.sampling.stop_regex import compile_stop_regexes
 
 _GREEDY_EPS = 1e-6
@@ -40,6 +42,13 @@ class SamplingParams:
     n: int = 1
     # Streamed requests: send output every this many tokens (None: --stream-interval).
     stream_interval: int | None = None
+    # Constrained decoding: at most one of these (docs/constrained_decoding.md).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    # Added to the logits of the named token ids ("id" -> bias) before sampling.
+    logit_bias: dict[str, float] | None = None
     # Derived by normalize(): the stop strings and stop regexes as lists.
     stop_strs: list[str] = field(default_factory=list, repr=False)
     stop_regex_strs: list[str] = field(default_factory=list, repr=False)
@@ -111,6 +120,14 @@ class SamplingParams:
         if isinstance(self.stop, list) and not all(isinstance(s, str) for s in self.stop):
             raise ValueError("stop must be a string or a list of strings")
         compile_stop_regexes(self.stop_regex)
+        grammars = [k for k in GRAMMAR_KEYS if getattr(self, k) is not None]
+        for key in grammars:
+            if not isinstance(getattr(self, key), str):
+                raise ValueError(f"{key} must be a string")
+        if len([k for k in grammars if getattr(self, k)]) > 1:
+            raise ValueError(f"at most one of {', '.join(GRAMMAR_KEYS)} may be set")
+        if self.logit_bias is not None:
+            _check_logit_bias(self.logit_bias, vocab_size)
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, list) or not all(
                 isinstance(t, int) for t in self.stop_token_ids
@@ -130,6 +147,27 @@ class SamplingParams:
         self.stop_regex_strs = compile_stop_regexes(self.stop_regex)
         if self.temperature < _GREEDY_EPS:
             self.temperature = 0.0
+
+
+def _is_token_id(key: Any) -> bool:
+    """A logit_bias key: a decimal string (JSON's keys) or, from Python, a non-negative int."""
+    if isinstance(key, str):
+        return key.isascii() and key.isdecimal()
+    return isinstance(key, int) and not isinstance(key, bool) and key >= 0
+
+
+def _check_logit_bias(bias: Any, vocab_size: int | None) -> None:
+    """``bias`` maps token ids (decimal strings as JSON has them, or ints) to finite numbers."""
+    if not isinstance(bias, dict):
+        raise ValueError("logit_bias must be an object mapping token ids to numbers")
+    for token, value in bias.items():
+        if not _is_token_id(token):
+            raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+        if vocab_size is not None and int(token) >= vocab_size:
+            raise ValueError(f"logit_bias keys must be in [0, {vocab_size}), got {token}")
+        _check_number(f"logit_bias[{token!r}]", value)
+        if not math.isfinite(value):
+            raise ValueError(f"logit_bias[{token!r}] must be finite, got {value}")
 
 
 def _check_number(name: str, value: Any) -> None:

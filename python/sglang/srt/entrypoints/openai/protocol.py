@@ -14,6 +14,7 @@ are finite; the values are then checked like native requests by the TokenizerMan
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -97,13 +98,16 @@ class SamplingExtras(BaseModel):
     entropy_top_k: int | None = None
     # One id, or (upstream's list form) one per prompt; suffixed per choice when n > 1.
     rid: str | list[str] | None = None
-    # Only {"type": "text"}: structured output (json_object, json_schema) is refused.
+    # Structured output (docs/constrained_decoding.md): {"type": "text"}, {"type":
+    # "json_object"}, {"type": "json_schema", "json_schema": {"name", "schema"}} or a
+    # structural tag ({"type": "structural_tag", ...}).
     response_format: dict[str, Any] | None = None
-    # SGLang's constrained decoding, which this engine does not have: refused when set.
+    # SGLang's constrained decoding: at most one, and not with a response_format.
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
-    logit_bias: dict[str, float] | None = None  # OpenAI's; refused when not empty
+    # OpenAI's: token id (a decimal string) -> a bias added to its logit.
+    logit_bias: dict[str, float] | None = None
     # Upstream SGLang's extras for features this engine does not have (they change the tokens
     # or promise more output): refused by name when set; None, false or empty is accepted.
     return_hidden_states: bool = False
@@ -114,12 +118,15 @@ class SamplingExtras(BaseModel):
     bootstrap_host: str | list[str] | None = None
     bootstrap_room: int | list[int] | None = None
 
+    @field_validator("response_format")
+    @classmethod
+    def _check_response_format(cls, fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+        response_format_grammar(fmt)
+        return fmt
+
     def unsupported_fields(self) -> list[str]:
         """The fields of this request that ask for features this engine does not have."""
-        names = [name for name in _REFUSED_WHEN_SET if _is_set(getattr(self, name))]
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            names.append(f"response_format {self.response_format.get('type')!r}")
-        return names
+        return [name for name in _REFUSED_WHEN_SET if _is_set(getattr(self, name))]
 
     def extra_sampling_params(self) -> dict[str, Any]:
         """The SGLang-only entries of ``sampling_params`` (names as SamplingParams spells them)."""
@@ -131,15 +138,48 @@ class SamplingExtras(BaseModel):
             "skip_special_tokens": self.skip_special_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "no_stop_trim": self.no_stop_trim,
+            "regex": self.regex,
+            "json_schema": self.json_schema,
+            "ebnf": self.ebnf,
+            "logit_bias": self.logit_bias,
+            **response_format_grammar(self.response_format),
         }
 
 
 # The SamplingExtras fields refused when set, in the order the refusal names them.
 _REFUSED_WHEN_SET = (
-    "regex", "json_schema", "ebnf", "logit_bias", "return_hidden_states",
-    "return_routed_experts", "return_cached_tokens_details", "custom_logit_processor",
-    "session_params", "bootstrap_host", "bootstrap_room",
+    "return_hidden_states", "return_routed_experts", "return_cached_tokens_details",
+    "custom_logit_processor", "session_params", "bootstrap_host", "bootstrap_room",
 )
+
+
+def response_format_grammar(fmt: dict[str, Any] | None) -> dict[str, str]:
+    """The ``sampling_params`` grammar entry for an OpenAI ``response_format`` (as upstream):
+    nothing for ``text`` (or none), ``json_schema`` = ``{"type": "object"}`` for
+    ``json_object``, the given schema for ``json_schema`` (any JSON object without one), and
+    the whole object as ``structural_tag`` for ``structural_tag``. ValueError for any other
+    shape."""
+    if fmt is None:
+        return {}
+    kind = fmt.get("type")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": json.dumps({"type": "object"})}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ValueError("response_format 'json_schema' needs a 'json_schema' object")
+        schema = spec.get("schema", spec.get("schema_", {"type": "object"}))
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("response_format.json_schema.schema must be a JSON Schema object")
+        return {"json_schema": json.dumps(schema)}
+    if kind == "structural_tag":
+        return {"structural_tag": json.dumps(fmt)}
+    raise ValueError(
+        f"response_format type must be one of text, json_object, json_schema, "
+        f"structural_tag; got {kind!r}"
+    )
 
 
 def _is_set(value: Any) -> bool:

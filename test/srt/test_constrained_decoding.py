@@ -197,6 +197,22 @@ def test_matcher_follows_a_structural_tag(smollm2_dir: Path) -> None:
     assert allowed(letter)
 
 
+def test_json_layout_without_free_whitespace(smollm2_dir: Path) -> None:
+    """--constrained-json-disable-any-whitespace: no newline where JSON would allow one."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    newline = tokenizer.encode("\n", add_special_tokens=False)[0]
+    obj = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    schema = ("json_schema", json.dumps(obj))
+    bitmask = torch.zeros(1, 1536, dtype=torch.int32)
+    for any_whitespace in (True, False):
+        backend = create_grammar_backend("xgrammar", tokenizer, 49152, any_whitespace)
+        assert backend is not None
+        matcher = backend.matcher(schema, [tokenizer.eos_token_id])
+        assert matcher.accept(tokenizer.encode("{", add_special_tokens=False)[0])
+        matcher.fill_bitmask(bitmask, 0)
+        assert bool((int(bitmask[0, newline // 32]) >> (newline % 32)) & 1) is any_whitespace
+
+
 # ---- end to end on SmolLM2 --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(smollm2_dir: Path) -> Iterator[sgl.Engine]:

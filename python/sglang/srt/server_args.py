@@ -205,8 +205,9 @@ class ServerArgs(UpstreamOnlyArgs):
     )
     constrained_json_disable_any_whitespace: bool = _arg(
         False,
-        "JSON schemas allow no free whitespace between JSON tokens (by default any amount "
-        "may appear where JSON allows it).",
+        "Outputs of a JSON schema take one fixed layout, {\"a\": 1, \"b\": [2, 3]} (a "
+        "space after each colon and comma, no other whitespace), instead of any whitespace "
+        "where JSON allows it.",
     )
     enable_deterministic_inference: bool = _arg(
         False, "Batch-invariant kernels: the same tokens whatever the batch, chunking or cache."

@@ -58,8 +58,9 @@ class XGrammarMatcher(GrammarMatcher):
 class XGrammarBackend(GrammarBackend):
     """xgrammar over one tokenizer and vocabulary size (the model's, padded ids included: ids
     the tokenizer does not have are never allowed). ``tokenizer`` None: :meth:`check` only
-    (the frontend's syntax check). ``any_whitespace`` False: JSON schemas allow no free
-    whitespace between tokens (--constrained-json-disable-any-whitespace)."""
+    (the frontend's syntax check). ``any_whitespace`` False: JSON outputs take xgrammar's
+    fixed layout, a space after each colon and comma and no other whitespace
+    (--constrained-json-disable-any-whitespace)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, any_whitespace: bool = True) -> None:
         self._tokenizer = tokenizer

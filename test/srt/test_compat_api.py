@@ -164,7 +164,10 @@ def test_completions_echo_with_logprobs(server: ServerProcess) -> None:
 
 @pytest.mark.parametrize(("body", "needle"), [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-      "tool_choice": "required"}, "tool_choice 'required'"),
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "not among the tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+      "tool_choice": "required", "regex": "a+"}, "cannot be combined"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"regex": "[ab]+", "response_format": {"type": "json_object"}}, "at most one of"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
      "json_schema"),

@@ -16,6 +16,7 @@ import uvicorn
 from test_http_app import FakeTokenizerManager, _free_port
 
 from sglang.srt.entrypoints.http_server import create_app
+from sglang.srt.entrypoints.openai.chat_parsing import ChatOutputParser
 from sglang.srt.entrypoints.openai.protocol import Function, Tool
 from sglang.srt.function_call.function_call_parser import FunctionCallParser, ToolCallItem
 from sglang.srt.parser.reasoning_parser import ReasoningParser
@@ -114,6 +115,27 @@ def test_arguments_stream_before_the_call_ends() -> None:
     assert seen[3] == ("", [ToolCallItem(0, None, 'ris", "days": ')])
     assert seen[4] == ("", [ToolCallItem(0, None, "3}")])  # a number once delimited
     assert seen[5] == ("", [])  # the end marker adds nothing
+
+
+def test_forced_calls_are_parsed_from_the_json_array() -> None:
+    """tool_choice "required"/named: the answer (after the reasoning) is a JSON array of
+    calls, whole or streamed (held until the end); an answer cut short stays content."""
+    answer = '[{"name": "f", "parameters": {"x": 1, "s": "é"}}, {"name": "g", "parameters": {}}]'
+    text = "<think>hmm</think>" + answer
+    whole = ChatOutputParser("qwen3", None, None, forced_calls=True).parse_whole(text)
+    assert whole.reasoning == "hmm" and whole.content == ""
+    assert [(c.index, c.function.name, json.loads(c.function.arguments))
+            for c in whole.tool_calls] == [(0, "f", {"x": 1, "s": "é"}), (1, "g", {})]
+    assert whole.tool_calls[0].id != whole.tool_calls[1].id
+    streamed = ChatOutputParser("qwen3", "qwen25", None, forced_calls=True)
+    pieces = [streamed.feed(text[i:i + 7], final=i + 7 >= len(text))
+              for i in range(0, len(text), 7)]
+    assert all(not p.tool_calls and not p.content for p in pieces[:-1])
+    assert "".join(p.reasoning for p in pieces) == "hmm"
+    assert [c.function.name for c in pieces[-1].tool_calls] == ["f", "g"]
+    assert streamed.num_tool_calls == 2
+    cut = ChatOutputParser(None, None, None, forced_calls=True).parse_whole('[{"name": "f", "par')
+    assert cut.content == '[{"name": "f", "par' and not cut.tool_calls
 
 
 def test_streaming_edge_cases() -> None:

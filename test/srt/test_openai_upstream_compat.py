@@ -156,6 +156,37 @@ def test_response_format_becomes_the_grammar(
     assert {k: json.loads(sent[k]) for k in keys if sent.get(k)} == grammar
 
 
+def test_forced_tool_choice_sends_the_calls_schema(http: httpx.Client, tm: _RecordingTM) -> None:
+    """tool_choice "required": an array of one or more calls of any tool; a named function:
+    exactly one call of it. Each call is {"name", "parameters"}; the tools' $defs move to the
+    root, where their references resolve. "auto" and "none" constrain nothing."""
+    point = {"type": "object", "properties": {"x": {"type": "number"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+                 "type": "object", "properties": {"p": {"$ref": "#/$defs/Point"}},
+                 "$defs": {"Point": point}}}},
+             {"type": "function", "function": {"name": "g"}}]
+
+    def sent_schema(tool_choice: Any) -> Any:
+        r = http.post("/v1/chat/completions", json={**CHAT, "tools": tools,
+                                                    "tool_choice": tool_choice})
+        assert r.status_code == 200, r.text
+        text = tm.seen[-1].sampling_params[0].get("json_schema")
+        return None if text is None else json.loads(text)
+
+    def call(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "object", "required": ["name", "parameters"], "properties": {
+            "name": {"type": "string", "enum": [name]}, "parameters": parameters}}
+
+    f_params = tools[0]["function"]["parameters"]
+    empty = {"type": "object", "properties": {}}
+    assert sent_schema("required") == {
+        "type": "array", "minItems": 1, "$defs": {"Point": point},
+        "items": {"anyOf": [call("f", f_params), call("g", empty)]}}
+    assert sent_schema({"type": "function", "function": {"name": "g"}}) == {
+        "type": "array", "minItems": 1, "maxItems": 1, "items": call("g", empty)}
+    assert sent_schema("auto") is None and sent_schema("none") is None
+
+
 @pytest.mark.parametrize("response_format", [
     {"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": 5},
     {"type": "json_schema", "json_schema": {"schema": [1]}}, {},

@@ -4,12 +4,14 @@ prepared."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 from server_test_utils import ServerProcess
+from transformers import AutoTokenizer
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -68,3 +70,69 @@ def test_cache_report_counts_cached_prompt_tokens(client: openai.OpenAI) -> None
     assert both.usage.prompt_tokens > 2 * single
     # the first prompt is cached up to its last token, the second up to the first's end
     assert both.usage.prompt_tokens_details.cached_tokens >= 2 * (single - 1)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _check_call(call: object, names: set[str]) -> dict:
+    function = call.function  # type: ignore[attr-defined]
+    assert function.name in names and call.id and call.type == "function"  # type: ignore[attr-defined]
+    arguments = json.loads(function.arguments)
+    required = {"get_weather": {"city", "unit"}, "get_time": {"tz"}}[function.name]
+    assert set(arguments) >= required
+    return arguments
+
+
+def test_required_tool_choice_returns_calls(client: openai.OpenAI) -> None:
+    """tool_choice "required": the output is constrained to calls of the given tools, parsed
+    into message.tool_calls (no --tool-call-parser needed); streamed, the same calls."""
+    kw = {"model": "smollm2", "messages": ASK_WEATHER, "temperature": 0, "max_tokens": 96,
+          "tools": [WEATHER, CLOCK], "tool_choice": "required"}
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    whole = [_check_call(c, {"get_weather", "get_time"}) for c in choice.message.tool_calls]
+    streamed = [c.choices[0].delta.tool_calls for c in client.chat.completions.create(
+        **kw, stream=True) if c.choices and c.choices[0].delta.tool_calls]
+    calls = [call for delta in streamed for call in delta]
+    assert [json.loads(c.function.arguments) for c in calls] == whole
+
+
+def test_named_tool_choice_calls_that_tool(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model="smollm2", messages=ASK_WEATHER, temperature=0.8, max_tokens=96, n=3,
+        tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}})
+    for choice in r.choices:
+        assert len(choice.message.tool_calls) == 1
+        _check_call(choice.message.tool_calls[0], {"get_time"})
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(
+            model="smollm2", messages=ASK_WEATHER, max_tokens=8, tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "get_time"}})
+
+
+def test_response_format_json_schema_through_the_client(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"},
+                                               "population": {"type": "integer"}},
+              "required": ["city", "population"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Describe Paris in JSON."}],
+        temperature=0, max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"city", "population"} and isinstance(value["population"], int)
+
+
+def test_logit_bias_through_the_client(client: openai.OpenAI, smollm2_dir: Path) -> None:
+    paris = AutoTokenizer.from_pretrained(smollm2_dir).encode(" Paris")[0]
+    kw = {"model": "smollm2", "prompt": "The capital of France is", "temperature": 0,
+          "max_tokens": 4}
+    assert client.completions.create(**kw).choices[0].text.startswith(" Paris")
+    banned = client.completions.create(**kw, logit_bias={str(paris): -100})
+    assert "Paris" not in banned.choices[0].text

@@ -8,6 +8,7 @@ whole (non-streamed) response has."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,10 +38,16 @@ class ChatOutputParser:
     """
 
     def __init__(self, reasoning_parser: str | None, tool_call_parser: str | None,
-                 tools: list[Any] | None, stream_reasoning: bool = True) -> None:
+                 tools: list[Any] | None, stream_reasoning: bool = True,
+                 forced_calls: bool = False) -> None:
         self.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
-        self.tools = FunctionCallParser(tools, tool_call_parser) if tool_call_parser else None
+        self.tools = (FunctionCallParser(tools, tool_call_parser)
+                      if tool_call_parser and not forced_calls else None)
         self.stream_reasoning = stream_reasoning
+        # tool_choice "required" or named: the answer is a JSON array of calls (its grammar
+        # made it so), held while streaming and parsed whole at the end.
+        self.forced_calls = forced_calls
+        self.held_answer = ""
         self.held_reasoning = ""
         self.num_tool_calls = 0
 
@@ -56,7 +63,12 @@ class ChatOutputParser:
                 if answer or final:
                     reasoning, self.held_reasoning = self.held_reasoning, ""
         calls: list[ToolCall] = []
-        if self.tools is not None:
+        if self.forced_calls:
+            self.held_answer += answer
+            if not final:
+                return ParsedDelta("", reasoning)
+            answer, calls = self._json_calls(self.held_answer)
+        elif self.tools is not None:
             answer, items = self.tools.parse_stream_chunk(answer, final)
             calls = self._deltas(items)
         return ParsedDelta(answer, reasoning, calls)
@@ -67,7 +79,9 @@ class ChatOutputParser:
         if self.reasoning is not None:
             reasoning, answer = self.reasoning.parse_stream_chunk(text, True)
         calls: list[ToolCall] = []
-        if self.tools is not None:
+        if self.forced_calls:
+            answer, calls = self._json_calls(answer)
+        elif self.tools is not None:
             answer, items = self.tools.parse_non_stream(answer)
             for item in items:
                 calls.append(ToolCall(
@@ -76,6 +90,29 @@ class ChatOutputParser:
                 ))
                 self.num_tool_calls += 1
         return ParsedDelta(answer, reasoning, calls)
+
+    def _json_calls(self, answer: str) -> tuple[str, list[ToolCall]]:
+        """(content, calls) of a forced answer: ``[{"name", "parameters"}, ...]`` becomes one
+        call each (``arguments`` the parameters as JSON), with no content; an answer that is
+        not such an array (cut short by max_tokens or a stop string) stays content."""
+        try:
+            items = json.loads(answer)
+        except json.JSONDecodeError:
+            return answer, []
+        if not isinstance(items, list) or not all(
+            isinstance(i, dict) and isinstance(i.get("name"), str) and "parameters" in i
+            for i in items
+        ):
+            return answer, []
+        calls = []
+        for item in items:
+            calls.append(ToolCall(
+                id=_new_call_id(), index=self.num_tool_calls, function=FunctionResponse(
+                    name=item["name"],
+                    arguments=json.dumps(item["parameters"], ensure_ascii=False)),
+            ))
+            self.num_tool_calls += 1
+        return "", calls
 
     def _deltas(self, items: list[ToolCallItem]) -> list[ToolCall]:
         """The deltas of ``items``: a call's first (id, type, name, empty arguments), then its

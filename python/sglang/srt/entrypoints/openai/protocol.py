@@ -332,7 +332,8 @@ class ChatCompletionRequest(SamplingExtras):
     stream_reasoning: bool = True
     # Tools are rendered into the prompt by the chat template; calls come back in
     # message.tool_calls with --tool-call-parser, else as plain text. tool_choice "required" or
-    # a named function is refused.
+    # a named function ({"type": "function", "function": {"name": ...}}) constrains the output
+    # to a JSON array of calls (forced_tool_schema), parsed into message.tool_calls.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
@@ -357,11 +358,65 @@ class ChatCompletionRequest(SamplingExtras):
                 total += len(text) if isinstance(text, str) else 0
         return total
 
-    def unsupported_fields(self) -> list[str]:
-        names = super().unsupported_fields()
-        if self.tools and (isinstance(self.tool_choice, dict) or self.tool_choice == "required"):
-            names.append(f"tool_choice {self.tool_choice!r}")
-        return names
+    @field_validator("tool_choice")
+    @classmethod
+    def _check_tool_choice(cls, choice: str | dict[str, Any] | None) -> Any:
+        if choice is None or choice in ("none", "auto", "required"):
+            return choice
+        function = choice.get("function") if isinstance(choice, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError('tool_choice must be "none", "auto", "required" or {"type": '
+                             '"function", "function": {"name": ...}}')
+        return choice
+
+    @property
+    def forces_tool_calls(self) -> bool:
+        """tool_choice "required" or a named function (with tools): the output is calls."""
+        return bool(self.tools) and (
+            self.tool_choice == "required" or isinstance(self.tool_choice, dict))
+
+    def forced_tool_schema(self) -> dict[str, Any] | None:
+        """The JSON schema a forced tool choice puts on the output, as upstream's: an array of
+        ``{"name", "parameters"}`` objects, one or more for "required" (any of the tools),
+        exactly one for a named function. None when the choice forces nothing. ValueError when
+        the named function is not among the tools."""
+        if not self.forces_tool_calls:
+            return None
+        tools = [t["function"] for t in self.tools or []]
+        if isinstance(self.tool_choice, dict):
+            name = self.tool_choice["function"]["name"]
+            tools = [f for f in tools if f["name"] == name]
+            if not tools:
+                raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+        calls = [{
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [f["name"]]},
+                "parameters": f.get("parameters") or {"type": "object", "properties": {}},
+            },
+            "required": ["name", "parameters"],
+        } for f in tools]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                                  "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        if isinstance(self.tool_choice, dict):
+            schema["maxItems"] = 1
+        # References inside the parameters ("#/$defs/...") resolve against the root.
+        defs = {k: v for f in tools for k, v in ((f.get("parameters") or {}).get("$defs") or {})
+                .items()}
+        if defs:
+            schema["$defs"] = defs
+        return schema
+
+    def extra_sampling_params(self) -> dict[str, Any]:
+        params = super().extra_sampling_params()
+        schema = self.forced_tool_schema()
+        if schema is not None:
+            if any(params.get(k) for k in ("regex", "json_schema", "ebnf", "structural_tag")):
+                raise ValueError(f"tool_choice {self.tool_choice!r} constrains the output to "
+                                 f"tool calls; it cannot be combined with response_format, "
+                                 f"regex, json_schema or ebnf")
+            params["json_schema"] = json.dumps(schema)
+        return params
 
 
 class TopLogprob(BaseModel):

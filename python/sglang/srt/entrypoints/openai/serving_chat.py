@@ -8,7 +8,9 @@ generation_config.json values (upstream's ``--sampling-defaults model``; samplin
 With ``--reasoning-parser`` the reasoning goes to ``reasoning_content`` (unless the request sets
 ``separate_reasoning: false``); with
 ``--tool-call-parser`` (and ``tools`` in the request) calls go to ``tool_calls`` and the finish
-reason "stop" becomes "tool_calls" (chat_parsing.py).
+reason "stop" becomes "tool_calls" (chat_parsing.py). ``tool_choice`` "required" or a named
+function constrains the output to a JSON array of calls (docs/constrained_decoding.md), which
+becomes ``tool_calls`` without a parser.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class OpenAIServingChat(OpenAIServingBase):
         return ChatOutputParser(
             self.reasoning_parser if req.separate_reasoning else None,
             self.tool_call_parser if use_tools else None, req.tools,
-            stream_reasoning=req.stream_reasoning,
+            stream_reasoning=req.stream_reasoning, forced_calls=req.forces_tool_calls,
         )
 
     async def handle(self, req: ChatCompletionRequest, raw_request: Request) -> Response:

@@ -25,6 +25,7 @@ from sglang.srt.managers.field_checks import (
     check_str,
     describe,
 )
+from sglang.srt.sampling.sampling_params import is_token_id_key
 from sglang.srt.sampling.stop_regex import compile_stop_regexes
 
 # An integer that goes into an int64 tensor stays below this in absolute value.
@@ -179,13 +180,9 @@ def _check_logit_bias(param: str, bias: Any, vocab_size: int) -> None:
         raise InvalidRequestError(param, f"must be a JSON object (a dict), got {describe(bias)}")
     check_list(param, list(bias), vocab_size)
     for token, value in bias.items():
-        if isinstance(token, str) and token.isascii() and token.isdecimal():
-            token_id = int(token)
-        elif isinstance(token, int) and not isinstance(token, bool):
-            token_id = token
-        else:
+        if not is_token_id_key(token):
             raise InvalidRequestError(param, f"keys must be token ids, got {token!r}")
-        if not 0 <= token_id < vocab_size:
+        if int(token) >= vocab_size:
             raise InvalidRequestError(param, f"keys must be token ids in [0, {vocab_size}), "
                                              f"got {token!r}")
         check_number(f"{param}[{token!r}]", value, -INT64_LIMIT, INT64_LIMIT)

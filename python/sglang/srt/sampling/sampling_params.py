@@ -149,7 +149,7 @@ class SamplingParams:
             self.temperature = 0.0
 
 
-def _is_token_id(key: Any) -> bool:
+def is_token_id_key(key: Any) -> bool:
     """A logit_bias key: a decimal string (JSON's keys) or, from Python, a non-negative int."""
     if isinstance(key, str):
         return key.isascii() and key.isdecimal()
@@ -161,7 +161,7 @@ def _check_logit_bias(bias: Any, vocab_size: int | None) -> None:
     if not isinstance(bias, dict):
         raise ValueError("logit_bias must be an object mapping token ids to numbers")
     for token, value in bias.items():
-        if not _is_token_id(token):
+        if not is_token_id_key(token):
             raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
         if vocab_size is not None and int(token) >= vocab_size:
             raise ValueError(f"logit_bias keys must be in [0, {vocab_size}), got {token}")

@@ -29,7 +29,7 @@ def _timed(engine: sgl.Engine, prompts: list[str], params: list[dict]) -> tuple[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--model-path", required=True, help="model directory (Hugging Face layout)")
     parser.add_argument("--dtype", default="auto", help="model dtype (default: auto)")
     parser.add_argument("--num-prompts", type=int, default=32, help="prompts per run (default 32)")
     parser.add_argument("--items", type=int, default=24,

@@ -12,9 +12,10 @@ grammar allows (:meth:`GrammarMatcher.fill_bitmask`) and follows the tokens comm
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the request models import this module; torch stays out of --help
+    import torch
 
 # The sampling parameters that name a grammar, in the order they are looked up.
 GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")

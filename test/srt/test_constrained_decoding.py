@@ -12,7 +12,7 @@ import json
 import random
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +20,7 @@ import pytest
 import torch
 from engine_test_utils import assert_kv_all_back, engine_state, request_pool, wait_running
 from model_test_utils import TWO_ENGINE_KW
+from scheduler_test_utils import assert_no_leak, make_core, run_until_idle, submit
 from transformers import AutoTokenizer
 
 import sglang as sgl
@@ -211,6 +212,42 @@ def test_json_layout_without_free_whitespace(smollm2_dir: Path) -> None:
         assert matcher.accept(tokenizer.encode("{", add_special_tokens=False)[0])
         matcher.fill_bitmask(bitmask, 0)
         assert bool((int(bitmask[0, newline // 32]) >> (newline % 32)) & 1) is any_whitespace
+
+
+class _RefuseAfter:
+    """A matcher that accepts ``n`` tokens, then none (a grammar that leaves no token)."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = -1 if self.left else 0
+
+    def accept(self, token_id: int) -> bool:
+        self.left -= 1
+        return self.left >= 0
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+def test_a_grammar_left_without_tokens_ends_the_request(
+    tiny_model_dir: Callable[..., Path],
+) -> None:
+    """The token drawn from an all -inf row is not output (nor its NaN logprob): the request
+    ends with an abort that says why, its other tokens kept, nothing leaked."""
+    core, _, sink = make_core(str(tiny_model_dir("llama")), max_total_tokens=512)
+    core.grammar_backend = SimpleNamespace(  # type: ignore[assignment]
+        matcher=lambda spec, stops: _RefuseAfter(3))
+    submit(core, "g", [5, 6, 7], 20, sampling={"regex": "x"}, return_logprob=True)
+    submit(core, "plain", [5, 6, 8], 20, return_logprob=True)
+    run_until_idle(core)
+    assert_no_leak(core)
+    record = sink.by_rid["g"]
+    assert len(record.output_ids) == 3 and len(record.logprobs) == 3
+    assert record.finished_reasons[-1]["type"] == "abort"
+    assert "allows no token" in record.finished_reasons[-1]["message"]
+    assert len(sink.by_rid["plain"].output_ids) == 20
 
 
 # ---- end to end on SmolLM2 --------------------------------------------------------------------

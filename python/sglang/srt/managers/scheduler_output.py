@@ -78,6 +78,11 @@ class OutputProcessor:
 
     def _append_token(self, req: Req, result: GenerationBatchResult, i: int) -> None:
         token = result.next_token_ids[i]
+        if req.grammar is not None and not req.grammar.accept(token):
+            # Only a row its grammar left no token gets here: the token sampled from all -inf
+            # logits is not output (nor its NaN logprob); the request ends with a message.
+            req.abort(f"The grammar allows no token after {len(req.output_ids)} output tokens")
+            return
         req.output_ids.append(token)
         own = self.version_of(req) if self.version_of is not None else None
         version = self.weights.version if own is None else own
@@ -96,10 +101,6 @@ class OutputProcessor:
             # One value per output token, appended with it: a retracted request keeps its list
             # and continues it after the re-prefill, so ids, logprobs and entropy stay aligned.
             req.output_token_entropy_val.append(_asked(result.entropies)[i])
-        if req.grammar is not None and not req.grammar.accept(token):
-            # Only a token outside the mask gets here (e.g. a row left with no allowed token).
-            req.abort(f"The grammar does not allow token {token} here")
-            return
         req.check_finished(self.tokenizer)
 
     def _add_input_logprobs(

@@ -42,6 +42,8 @@ def _clean(error: Exception) -> str:
 
 
 class XGrammarMatcher(GrammarMatcher):
+    """One request's ``xgrammar.GrammarMatcher``."""
+
     def __init__(self, matcher: Any) -> None:
         self._matcher = matcher
 

@@ -341,11 +341,17 @@ class ChatCompletionRequest(SamplingExtras):
     @classmethod
     def _check_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         """Each tool must carry a ``function`` object with a string ``name`` (what upstream's
-        ``Tool`` model requires); the dicts are kept as sent, for the chat template."""
+        ``Tool`` model requires) and, if any, object ``parameters``; the dicts are kept as
+        sent, for the chat template."""
         for i, tool in enumerate(tools or []):
             function = tool.get("function")
             if not isinstance(function, dict) or not isinstance(function.get("name"), str):
                 raise ValueError(f"tools[{i}] needs a 'function' object with a string 'name'")
+            parameters = function.get("parameters")
+            if parameters is not None and not isinstance(parameters, dict):
+                raise ValueError(f"tools[{i}].function.parameters must be a JSON Schema object")
+            if not isinstance((parameters or {}).get("$defs", {}), dict):
+                raise ValueError(f"tools[{i}].function.parameters.$defs must be an object")
         return tools
 
     def content_chars(self) -> int:

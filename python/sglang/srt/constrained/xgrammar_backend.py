@@ -75,42 +75,30 @@ class XGrammarBackend(GrammarBackend):
         return (self._vocab_size + 31) // 32
 
     def check(self, spec: GrammarSpec) -> None:
-        xgr = _xgr()
-        key, text = spec
-        try:
-            if key == "json_schema":
-                if text != ANY_JSON:
-                    xgr.Grammar.from_json_schema(text, any_whitespace=self._any_whitespace)
-            elif key == "regex":
-                xgr.Grammar.from_regex(text)
-            elif key == "ebnf":
-                xgr.Grammar.from_ebnf(text)
-            else:
-                xgr.Grammar.from_structural_tag(_structural_tag(xgr, text))
-        except (RuntimeError, ValueError, TypeError, KeyError) as e:
-            raise InvalidGrammarError(f"{key} is not a valid grammar: {_clean(e)}") from None
+        self._grammar(_xgr(), spec)
 
     def matcher(self, spec: GrammarSpec, stop_token_ids: list[int]) -> GrammarMatcher:
         xgr = _xgr()
-        compiler = self._get_compiler(xgr)
+        compiled = self._get_compiler(xgr).compile_grammar(self._grammar(xgr, spec))
+        stops = stop_token_ids or None  # None: the tokenizer's (TokenizerInfo's) stop tokens
+        return XGrammarMatcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stops))
+
+    def _grammar(self, xgr: Any, spec: GrammarSpec) -> Any:
+        """``spec`` parsed into an ``xgrammar.Grammar`` (the compiler caches what it compiled
+        from it); InvalidGrammarError when it does not parse."""
         key, text = spec
         try:
             if key == "json_schema":
-                compiled = (
-                    compiler.compile_builtin_json_grammar()
-                    if text == ANY_JSON
-                    else compiler.compile_json_schema(text, any_whitespace=self._any_whitespace)
-                )
-            elif key == "regex":
-                compiled = compiler.compile_regex(text)
-            elif key == "ebnf":
-                compiled = compiler.compile_grammar(text)
-            else:
-                compiled = compiler.compile_structural_tag(_structural_tag(xgr, text))
+                if text == ANY_JSON:
+                    return xgr.Grammar.builtin_json_grammar()
+                return xgr.Grammar.from_json_schema(text, any_whitespace=self._any_whitespace)
+            if key == "regex":
+                return xgr.Grammar.from_regex(text)
+            if key == "ebnf":
+                return xgr.Grammar.from_ebnf(text)
+            return xgr.Grammar.from_structural_tag(_structural_tag(xgr, text))
         except (RuntimeError, ValueError, TypeError, KeyError) as e:
             raise InvalidGrammarError(f"{key} is not a valid grammar: {_clean(e)}") from None
-        stops = stop_token_ids or None  # None: the tokenizer's (TokenizerInfo's) stop tokens
-        return XGrammarMatcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stops))
 
     def _get_compiler(self, xgr: Any) -> Any:
         if self._compiler is None:

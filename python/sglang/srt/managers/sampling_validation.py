@@ -93,14 +93,15 @@ KNOWN_KEYS = frozenset(_RULES) | _LIMITED_KEYS
 MAX_GRAMMAR_LEN = 1 << 20
 
 
+# Keys whose empty value ("" or {}) means unset, as clients send them.
+_EMPTY_IS_UNSET = frozenset({"logit_bias", *GRAMMAR_KEYS})
+
+
 def engine_sampling_params(params: dict[str, Any]) -> dict[str, Any]:
     """``params`` without the keys that change nothing: nulls (the default), ``custom_params``,
-    and empty grammars and logit biases (clients send them unset so)."""
+    and empty grammars and logit biases."""
     return {k: v for k, v in params.items() if v is not None and k != "custom_params"
             and not (k in _EMPTY_IS_UNSET and v in ("", {}))}
-
-
-_EMPTY_IS_UNSET = frozenset({"logit_bias", *GRAMMAR_KEYS})
 
 
 def check_sampling_params(
